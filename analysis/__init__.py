@@ -1,0 +1,136 @@
+"""analysis: exact, symbolic memory of a training step and of inference.
+
+>>> import torch
+>>> from analysis import analyze
+>>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+>>> r = analyze(model, {"input": ("float32", ["B", 16])}, device="cpu")
+>>> r.train.peak
+192*B + 14736
+>>> r.at(B=4)["train"]["peak"]
+15504
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+import tracer
+from tracer import Trace, trace
+
+from .memory import ModuleSaved, PeakPoint, StepMemory, module_savings, step_memory
+
+__all__ = ["analyze", "Report", "StepMemory", "ModuleSaved", "PeakPoint", "VERSION"]
+
+VERSION = "0.1.0"
+TRAIN_FIELDS = ("peak", "activation_peak", "saved_activations", "parameters", "gradients",
+                "optimizer_states")
+
+
+@dataclass
+class Report:
+    """What one step of a model takes on one device.
+
+    Attributes
+    ----------
+    device : str
+        ``"cuda"`` or ``"cpu"``: whose kernels were modelled.
+    symbols : dict of str to sympy.Symbol
+    train, inference : StepMemory or None
+    modules : list of ModuleSaved
+        Bytes saved for backward per module, largest first (at the example sizes).
+    other_ops : dict of str to int
+        Ops outside ATen/prims (custom ops) that ran, with their counts: their memory comes from
+        their fake kernel and was not checked against a real run.
+    """
+
+    device: str
+    symbols: dict[str, sympy.Symbol]
+    train: StepMemory | None
+    inference: StepMemory | None
+    modules: list[ModuleSaved] = field(default_factory=list)
+    other_ops: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ranges(self) -> dict[str, tuple[int, int | None]]:
+        """Range per symbol where every formula holds (intersection over the runs)."""
+        out: dict[str, tuple[int, int | None]] = {}
+        for step in (self.train, self.inference):
+            if step is None:
+                continue
+            for n, (lo, hi) in step.ranges.items():
+                plo, phi = out.get(n, (lo, hi))
+                his = [h for h in (hi, phi) if h is not None]
+                out[n] = (max(lo, plo), min(his) if his else None)
+        return out
+
+    def at(self, **point: int) -> dict:
+        """Every figure evaluated at ``point`` (plain ints)."""
+        out: dict = {}
+        if self.train is not None:
+            out["train"] = {f: self.train.evaluate(getattr(self.train, f), point)
+                            for f in TRAIN_FIELDS}
+        if self.inference is not None:
+            out["inference"] = {"peak": self.inference.evaluate(self.inference.peak, point)}
+        return out
+
+
+def _module_types(model: torch.nn.Module) -> dict[str, str]:
+    return {n: type(m).__name__ for n, m in model.named_modules()}
+
+
+def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
+            train: bool = True, inference: bool = True, loss_fn=None, optimizer=None,
+            hints: dict[str, int] | None = None, keep_outputs: bool = True,
+            limits: dict[str, int] | None = None) -> Report:
+    """Trace ``model`` and return the symbolic :class:`Report` of a step.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Its parameters may live on the meta device; nothing is materialized.
+    inputs : dict
+        ``{name: (dtype, shape)}``, e.g. ``{"input_ids": ("int64", ["B", "S"])}``; other values
+        are passed to ``forward`` as constants.
+    device : {"cuda", "cpu"}
+        Whose kernels and allocator to model.
+    train, inference : bool
+        Which analyses to run.
+    loss_fn : callable, optional
+        ``loss_fn(output) -> scalar``; default: ``output.loss``, a scalar output, or the sum of
+        the first floating-point tensor of the output.
+    optimizer : callable, optional
+        ``optimizer(params) -> torch.optim.Optimizer``; default AdamW with torch's defaults.
+    hints : dict, optional
+        Example sizes for the symbolic run (distinct, >= 2).
+    keep_outputs : bool
+        Keep the forward output and loss referenced through backward and the optimizer step,
+        as a plain training loop does (default True).
+    limits : dict, optional
+        Upper bounds the model imposes on symbols (Hugging Face limits are found on their own).
+    """
+    from tracer import hf
+
+    patches, auto_limits = hf.adapt(model, inputs)
+    limits = {**auto_limits, **(limits or {})}
+    kw = dict(device=device, hints=hints, limits=limits, patches=patches)
+    tr_step = inf_step = None
+    modules: list[ModuleSaved] = []
+    other: dict[str, int] = {}
+    if train:
+        t = trace(model, inputs, train=True, loss_fn=loss_fn, optimizer=optimizer,
+                  keep_outputs=keep_outputs, **kw)
+        tr_step = step_memory(t)
+        modules = module_savings(t, _module_types(model))
+        other.update(t.run.other_ops)
+    if inference:
+        t = trace(model, inputs, train=False, **kw)
+        inf_step = step_memory(t)
+        for k, v in t.run.other_ops.items():
+            other[k] = other.get(k, 0) + v
+    if tr_step is None and inf_step is None:
+        raise tracer.InputError("nothing to analyse: both train and inference are off")
+    symbols = (tr_step or inf_step).trace.symbols
+    return Report(device, symbols, tr_step, inf_step, modules, other)

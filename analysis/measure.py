@@ -1,0 +1,179 @@
+"""The oracle: run the same step for real on CPU and count live tensor storages.
+
+This is what memsim's predictions are tested against. It shares no code with the tracer: a real
+eager run, real tensors, and a dispatch mode that adds each new untyped storage an op returns and
+subtracts it when a ``weakref.finalize`` on the storage fires (the method of
+``torch.distributed._tools.mem_tracker.MemTracker``, which the tests use as a cross-check).
+
+The step is the plain loop, after one warm-up step so that optimizer state exists::
+
+    opt.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    loss = loss_fn(out)
+    loss.backward()
+    opt.step()
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Bytes measured in one real run (CPU, live untyped storages)."""
+
+    peak: int
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    saved_at_backward: int  # all bytes live when backward starts, minus those live before forward
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.cur = 0
+        self.peak = 0
+        self._fin: list = []
+
+    def add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.live:
+            n = st.nbytes()
+            if n != self.live[key]:  # resized in place
+                self.cur += n - self.live[key]
+                self.live[key] = n
+                self.peak = max(self.peak, self.cur)
+            return
+        self.live[key] = st.nbytes()
+        self.cur += st.nbytes()
+        self.peak = max(self.peak, self.cur)
+        self._fin.append(weakref.finalize(st, self._drop, key))
+
+    def _drop(self, key: int) -> None:
+        self.cur -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        return out
+
+    def close(self):
+        for f in self._fin:
+            f.detach()
+
+
+def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give a meta-device model real CPU storage with small random values (in place)."""
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        model.to_empty(device="cpu")
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                if t.is_floating_point():
+                    t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * 0.02)
+                else:
+                    t.zero_()
+    return model
+
+
+def example_inputs(inputs: dict, point: dict[str, int], seed: int = 0) -> dict:
+    """Concrete tensors for ``{name: (dtype, shape)}`` at ``point``: ints are 0, floats random."""
+    from tracer.spec import parse_dtype
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, value in inputs.items():
+        if not (isinstance(value, (tuple, list)) and len(value) == 2
+                and isinstance(value[1], (tuple, list))):
+            out[name] = value
+            continue
+        dtype = parse_dtype(value[0])
+        shape = [point[d] if isinstance(d, str) else int(d) for d in value[1]]
+        if dtype.is_floating_point:
+            out[name] = torch.randn(shape, generator=g).to(dtype)
+        elif dtype == torch.bool:
+            out[name] = torch.ones(shape, dtype=dtype)
+        else:
+            out[name] = torch.zeros(shape, dtype=dtype)
+    return out
+
+
+def _loss(out):
+    if isinstance(getattr(out, "loss", None), torch.Tensor):
+        return out.loss
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else out.sum()
+    seq = out.to_tuple() if hasattr(out, "to_tuple") else out
+    return next(t for t in tree_flatten(seq)[0]
+                if isinstance(t, torch.Tensor) and t.is_floating_point()).sum()
+
+
+def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimizer=None,
+                  keep_outputs: bool = True) -> Measurement:
+    """Peak live bytes of one real CPU training step (steady state)."""
+    loss_fn = loss_fn or _loss
+    model.train()
+    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    opt = (optimizer or (lambda ps: torch.optim.AdamW(ps)))(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    c = _Counter()
+    with c:
+        for t in list(model.parameters()) + list(model.buffers()):
+            c.add(t)
+        for p in params:
+            c.add(p.grad)
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    c.add(v)
+        for v in inputs.values():
+            if isinstance(v, torch.Tensor):
+                c.add(v)
+        c.peak = c.cur
+        opt.zero_grad(set_to_none=True)
+        before = c.cur
+        out = model(**inputs)
+        loss = loss_fn(out)
+        at_backward = c.cur - before
+        loss.backward()
+        opt.step()
+        if not keep_outputs:
+            del out, loss
+    c.close()
+    n = lambda ts: sum(t.untyped_storage().nbytes() for t in
+                       {id(t.untyped_storage()): t for t in ts}.values())
+    states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return Measurement(c.peak, n(model.parameters()), n(p.grad for p in params if p.grad is not None),
+                       n(states), at_backward)
+
+
+def measure_inference(model: torch.nn.Module, inputs: dict) -> int:
+    """Peak live bytes of one real CPU forward under ``torch.no_grad()`` in eval mode."""
+    model.eval()
+    c = _Counter()
+    with c:
+        for t in list(model.parameters()) + list(model.buffers()):
+            c.add(t)
+        for v in inputs.values():
+            if isinstance(v, torch.Tensor):
+                c.add(v)
+        c.peak = c.cur
+        with torch.no_grad():
+            out = model(**inputs)
+        del out
+    c.close()
+    model.train()
+    return c.peak

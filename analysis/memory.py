@@ -1,0 +1,218 @@
+"""From a trace to the figures of one step: peak, breakdown, saved activations, per module.
+
+All figures are sympy expressions in the user's symbols (bytes). Only storages on the modelled
+device count (e.g. AdamW's step counters stay on the CPU in a CUDA run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+
+from tracer import MODEL_STATE, Category, OutOfRangeError, Phase, Trace, InputError
+
+from .peak import Candidate, PolyBasis, as_max, prune, regime_changes, running_peaks
+
+
+@dataclass(frozen=True)
+class PeakPoint:
+    """Where a candidate peak is reached: the phase, op and module that allocated last."""
+
+    phase: str
+    op: str
+    module: str | None
+
+    def __str__(self) -> str:
+        where = f" in {self.module or '<root>'}" if self.module is not None else ""
+        return f"{self.phase}: {self.op}{where}"
+
+
+@dataclass
+class StepMemory:
+    """The memory figures of one traced run (training step or inference forward).
+
+    Attributes (all sympy expressions, bytes)
+    ----------
+    peak : most bytes live at any moment of the step (a ``Max`` over regimes).
+    candidates : the regimes of ``peak``, each with where it is reached.
+    parameters, buffers, inputs : live for the whole step.
+    gradients : the gradients this step produces (alive at its end).
+    optimizer_states : optimizer state on the device.
+    saved_activations : bytes kept for backward when backward starts (activations only: no
+        parameters, buffers or inputs, which autograd may also save).
+    activation_peak : most bytes at any moment that are not parameters, gradients or optimizer
+        states (activations, temporaries, inputs, buffers).
+    """
+
+    trace: Trace
+    peak: sympy.Expr
+    candidates: list[Candidate]
+    parameters: sympy.Expr
+    buffers: sympy.Expr
+    inputs: sympy.Expr
+    gradients: sympy.Expr
+    optimizer_states: sympy.Expr
+    saved_activations: sympy.Expr
+    activation_peak: sympy.Expr
+    activation_candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def symbols(self) -> list[sympy.Symbol]:
+        return list(self.trace.symbols.values())
+
+    @property
+    def ranges(self) -> dict[str, tuple[int, int | None]]:
+        return self.trace.ranges
+
+    def check_point(self, point: dict[str, int]) -> dict[sympy.Symbol, int]:
+        """Validate a ``{name: int}`` point against the symbols and their ranges."""
+        names = set(self.trace.symbols)
+        missing = names - set(point)
+        extra = set(point) - names
+        if missing or extra:
+            raise InputError(
+                "evaluation point " + (f"lacks {', '.join(sorted(missing))}" if missing else "")
+                + ("; " if missing and extra else "")
+                + (f"names unknown symbol(s) {', '.join(sorted(extra))}" if extra else ""),
+                hint=f"symbols: {', '.join(sorted(names)) or '(none)'}")
+        for n, v in point.items():
+            lo, hi = self.ranges.get(n, (2, None))
+            if v < lo or (hi is not None and v > hi):
+                rng = f"{lo} <= {n}" + (f" <= {hi}" if hi is not None else "")
+                raise OutOfRangeError(
+                    f"{n}={v} is outside the range the formula holds for ({rng})",
+                    hint=(f"give {n} as the fixed size {v} in the input shapes to analyse that "
+                          "case on its own" if v < lo else
+                          f"the model itself does not accept {n} > {hi}"))
+        return {self.trace.symbols[n]: v for n, v in point.items()}
+
+    def evaluate(self, expr: sympy.Expr, point: dict[str, int]) -> int:
+        return int(expr.subs(self.check_point(point)))
+
+    def winner(self, point: dict[str, int]) -> Candidate:
+        """The candidate that is the peak at ``point``."""
+        subs = self.check_point(point)
+        return max(self.candidates, key=lambda c: (int(c.expr.subs(subs)), -c.event))
+
+    def breakdown(self, point: dict[str, int]) -> dict[str, int]:
+        """Bytes live at the peak at ``point``, by category."""
+        subs = self.check_point(point)
+        cand = self.winner(point)
+        run = self.trace.run
+        live: set[int] = set()
+        for ev in run.events[: cand.event + 1]:
+            (live.add if ev.sign > 0 else live.discard)(ev.sid)
+        out = {c.value: 0 for c in Category}
+        for sid in live:
+            s = run.storages[sid]
+            if s.device == self.trace.device:
+                out[s.category.value] += int(s.nbytes.subs(subs))
+        return out
+
+    def regimes(self, sym: str, point: dict[str, int]) -> list[tuple[int, Candidate]]:
+        """Where the peak's regime changes as ``sym`` grows (others at ``point``)."""
+        subs = self.check_point(point)
+        lo, hi = self.ranges.get(sym, (2, None))
+        return regime_changes(self.candidates, self.trace.symbols[sym], subs, lo, hi)
+
+
+def classify(trace: Trace) -> None:
+    """Label forward storages alive when backward starts as activations (in place)."""
+    run = trace.run
+    ends = run.phase_ends
+    if Phase.LOSS not in ends:
+        return
+    cut = ends[Phase.LOSS]
+    freed_before = {ev.sid for ev in run.events[:cut] if ev.sign < 0}
+    for s in run.storages:
+        if (s.phase in (Phase.FORWARD, Phase.LOSS) and s.category is Category.TEMPORARY
+                and s.sid not in freed_before):
+            s.category = Category.ACTIVATION
+
+
+def _label(trace: Trace):
+    run = trace.run
+
+    def label(i: int) -> PeakPoint:
+        if i < 0 or i >= len(run.events):
+            return PeakPoint("end" if i >= 0 else "start", "-", None)
+        s = run.storages[run.events[i].sid]
+        op = s.op
+        if s.phase is Phase.BACKWARD and 0 <= s.alloc < len(run.ops):
+            rec = run.ops[s.alloc]
+            node = getattr(rec, "autograd_node", None)
+            if node:
+                op = f"{op} ({node})"
+        return PeakPoint(s.phase.value, op, s.module)
+
+    return label
+
+
+def step_memory(trace: Trace) -> StepMemory:
+    """Compute the figures of one traced run."""
+    classify(trace)
+    run, dev = trace.run, trace.device
+    syms = list(trace.symbols.values())
+    basis = PolyBasis(syms)
+    lows = {n: r[0] for n, r in trace.ranges.items()}
+    on_dev = [s.device == dev for s in run.storages]
+    sizes = [basis.coeffs(s.nbytes) if ok else None for s, ok in zip(run.storages, on_dev)]
+    evs = [(e.sign, e.sid) for e in run.events]
+    label = _label(trace)
+
+    total = prune(running_peaks(evs, sizes.__getitem__, basis, run.start, label), syms, lows)
+    nonmodel = [None if s.category in MODEL_STATE else c
+                for s, c in zip(run.storages, sizes)]
+    act = prune(running_peaks(evs, nonmodel.__getitem__, basis, run.start, label), syms, lows)
+
+    end_live = _live_at(run, len(run.events))
+    start_live = _live_at(run, run.start)
+
+    def total_of(cat: Category, live: set[int]) -> sympy.Expr:
+        return sympy.Add(*[s.nbytes for s in run.storages
+                           if s.sid in live and on_dev[s.sid] and s.category is cat])
+
+    saved = sympy.Integer(0)
+    if Phase.LOSS in run.phase_ends:
+        at_bwd = _live_at(run, run.phase_ends[Phase.LOSS])
+        saved = sympy.Add(*[s.nbytes for s in run.storages if s.sid in at_bwd and on_dev[s.sid]
+                            and s.saved and s.category is Category.ACTIVATION])
+    return StepMemory(
+        trace=trace, peak=as_max(total), candidates=total,
+        parameters=total_of(Category.PARAMETER, start_live),
+        buffers=total_of(Category.BUFFER, start_live),
+        inputs=total_of(Category.INPUT, start_live),
+        gradients=total_of(Category.GRADIENT, end_live) if trace.train else sympy.Integer(0),
+        optimizer_states=total_of(Category.OPTIMIZER_STATE, start_live),
+        saved_activations=sympy.expand(saved),
+        activation_peak=as_max(act), activation_candidates=act)
+
+
+def _live_at(run, upto: int) -> set[int]:
+    live: set[int] = set()
+    for ev in run.events[:upto]:
+        (live.add if ev.sign > 0 else live.discard)(ev.sid)
+    return live
+
+
+@dataclass(frozen=True)
+class ModuleSaved:
+    """Bytes a module's forward keeps for backward (inclusive of its submodules)."""
+
+    path: str
+    type: str
+    saved: sympy.Expr
+
+
+def module_savings(trace: Trace, types: dict[str, str]) -> list[ModuleSaved]:
+    """Per module: activation bytes saved for backward by ops inside it (deduplicated)."""
+    acc: dict[str, list] = {}
+    for s in trace.run.storages:
+        if s.saved and s.category is Category.ACTIVATION and s.device == trace.device:
+            for m in s.saved_by:
+                acc.setdefault(m, []).append(s.nbytes)
+    hint = {sym: trace.hints[n] for n, sym in trace.symbols.items()}
+    out = [ModuleSaved(p, types.get(p, ""), sympy.expand(sympy.Add(*v))) for p, v in acc.items()]
+    out.sort(key=lambda m: (-int(m.saved.subs(hint)), m.path))
+    return out

@@ -1,0 +1,182 @@
+"""Symbolic peaks of live memory over a run's allocation timeline.
+
+Sizes are polynomials in positive integer symbols. The running sum of live bytes is tracked as a
+vector of integer coefficients; every local maximum is a candidate for the peak. A candidate is
+dropped when another one is at least as large for every admissible size, proven by shifting each
+symbol to its lower bound (``x = lo + y``, ``y >= 0``) and comparing coefficients: a polynomial
+in ``y`` with no negative coefficient is ``>= 0`` for all ``y >= 0``. What remains is an
+unevaluated ``Max`` whose arguments are the distinct regimes of the peak.
+
+>>> import sympy
+>>> B, S = sympy.symbols("B S", positive=True, integer=True)
+>>> c = [Candidate(B*S, 0, None), Candidate(2*B*S, 1, None), Candidate(S**2, 2, None)]
+>>> [str(k.expr) for k in prune(c, [B, S], {"B": 2, "S": 2})]
+['2*B*S', 'S**2']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import sympy
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A possible peak: its bytes (sympy), the event index where it is reached, and a label."""
+
+    expr: sympy.Expr
+    event: int
+    label: object
+
+
+class PolyBasis:
+    """Maps size expressions to ``{monomial: int coefficient}`` dicts, with a cache.
+
+    Monomials are sympy products of the symbols and of any non-polynomial atoms a size holds
+    (``floor(S/2)`` from a strided pooling, say): an atom stays a factor of its monomial.
+    """
+
+    def __init__(self, symbols: Sequence[sympy.Symbol]):
+        self.symbols = tuple(symbols)
+        self._cache: dict[sympy.Expr, dict[sympy.Expr, int]] = {}
+
+    def coeffs(self, expr: sympy.Expr) -> dict[sympy.Expr, int]:
+        got = self._cache.get(expr)
+        if got is None:
+            got = {}
+            for m, c in sympy.expand(expr).as_coefficients_dict().items():
+                if c != 0:
+                    if not c.is_Integer:
+                        raise ValueError(f"size {expr} has a non-integer coefficient {c}")
+                    got[m] = got.get(m, 0) + int(c)
+            self._cache[expr] = got
+        return got
+
+    def expr(self, coeffs: dict[sympy.Expr, int]) -> sympy.Expr:
+        return sympy.Add(*[c * m for m, c in coeffs.items() if c])
+
+
+def running_peaks(events: Iterable, size: Callable[[int], dict | None], basis: PolyBasis,
+                  start: int, label: Callable[[int], object]) -> list[Candidate]:
+    """Candidates for the maximum of the running sum of live bytes.
+
+    ``events`` are ``(sign, sid)`` in order; ``size(sid)`` gives a coefficient dict or None (not
+    counted). The sum at ``start`` and each local maximum at or after ``start`` are candidates.
+    """
+    events = list(events)
+    cur: dict[tuple, int] = {}
+    out: list[Candidate] = []
+    seen: set = set()
+    rising = False
+
+    def emit(i):
+        key = frozenset((m, c) for m, c in cur.items() if c)
+        if key not in seen:
+            seen.add(key)
+            out.append(Candidate(basis.expr(dict(key)), i, label(i)))
+
+    for i, (sign, sid) in enumerate(events):
+        if i == start:
+            emit(i - 1)
+        c = size(sid)
+        if not c:
+            continue
+        if sign < 0 and rising and i > start:
+            emit(i - 1)
+        for m, v in c.items():
+            cur[m] = cur.get(m, 0) + sign * v
+        rising = sign > 0
+    if rising or start >= len(events):
+        emit(len(events) - 1)
+    return out
+
+
+def _shift_monomial(m: sympy.Expr, lows: dict[sympy.Symbol, int]) -> dict[sympy.Expr, int]:
+    """``m`` with each symbol ``x`` replaced by ``lo + x`` (then ``x >= 0``), as coefficients.
+
+    Monomials holding a non-polynomial atom are returned unshifted, tagged so that dominance
+    demands equal coefficients on them.
+    """
+    powers = m.as_powers_dict()
+    if any(b not in lows for b in powers if b != 1):
+        return {("atom", m): 1}
+    out: dict = {}
+    shifted = sympy.expand(sympy.Mul(*[(b + lows[b]) ** e for b, e in powers.items() if b != 1]))
+    for mm, c in shifted.as_coefficients_dict().items():
+        out[mm] = out.get(mm, 0) + int(c)
+    return out
+
+
+def prune(cands: list[Candidate], symbols: Sequence[sympy.Symbol],
+          lows: dict[str, int]) -> list[Candidate]:
+    """Drop every candidate that another is provably >= for all sizes >= ``lows``."""
+    if not cands:
+        return []
+    basis = PolyBasis(symbols)
+    low = {s: lows.get(s.name, 1) for s in symbols}
+    cache: dict = {}
+    shifted = []
+    for c in cands:
+        acc: dict = {}
+        for m, v in basis.coeffs(c.expr).items():
+            if m not in cache:
+                cache[m] = _shift_monomial(m, low)
+            for mm, k in cache[m].items():
+                acc[mm] = acc.get(mm, 0) + v * k
+        shifted.append(acc)
+    keys = sorted({k for s in shifted for k in s}, key=str)
+    exact = [isinstance(k, tuple) for k in keys]
+    vecs = [tuple(s.get(k, 0) for k in keys) for s in shifted]
+    order = sorted(range(len(cands)), key=lambda i: (-sum(vecs[i]), cands[i].event))
+
+    def dominates(a, b) -> bool:
+        return all((x == y) if e else (x >= y) for x, y, e in zip(a, b, exact))
+
+    kept: list[int] = []
+    for i in order:
+        if any(dominates(vecs[k], vecs[i]) for k in kept):
+            continue
+        kept = [k for k in kept if not dominates(vecs[i], vecs[k])] + [i]
+    kept.sort(key=lambda i: cands[i].event)
+    return [cands[i] for i in kept]
+
+
+def as_max(cands: Sequence[Candidate]) -> sympy.Expr:
+    """The peak as a sympy expression: one candidate, or an unevaluated ``Max`` of several."""
+    exprs = [c.expr for c in cands]
+    if not exprs:
+        return sympy.Integer(0)
+    if len(exprs) == 1:
+        return exprs[0]
+    return sympy.Max(*exprs, evaluate=False)
+
+
+def regime_changes(cands: Sequence[Candidate], sym: sympy.Symbol, at: dict,
+                   lo: int, hi: int | None) -> list[tuple[int, Candidate]]:
+    """Where the largest candidate changes as ``sym`` grows, others held at ``at``.
+
+    Returns ``[(first value of sym where cand is largest, cand), ...]`` in increasing order.
+    """
+    if len(cands) < 2:
+        return [(lo, cands[0])] if cands else []
+    others = {s: v for s, v in at.items() if s != sym}
+    uni = [sympy.expand(c.expr.subs(others)) for c in cands]
+    points = {lo}
+    for i in range(len(uni)):
+        for j in range(i + 1, len(uni)):
+            diff = sympy.Poly(uni[i] - uni[j], sym) if (uni[i] - uni[j]).free_symbols else None
+            if diff is None:
+                continue
+            for r in diff.real_roots():
+                for v in (int(sympy.floor(r)), int(sympy.floor(r)) + 1):
+                    if v >= lo and (hi is None or v <= hi):
+                        points.add(v)
+    out: list[tuple[int, Candidate]] = []
+    for v in sorted(points):
+        vals = [int(u.subs(sym, v)) for u in uni]
+        best = max(range(len(vals)), key=lambda k: (vals[k], -k))
+        if not out or out[-1][1] is not cands[best]:
+            out.append((v, cands[best]))
+    return out

@@ -1,0 +1,186 @@
+"""A dispatch mode that records every storage's allocation and release as eager PyTorch does it.
+
+It sits above ``FakeTensorMode``: each ATen op runs on fake tensors (symbolic sizes, no data), and
+every *new* untyped storage it returns is recorded with its symbolic ``nbytes``. A
+``weakref.finalize`` on the storage records the release at the moment Python (or autograd) drops
+the last reference, exactly as in an eager run. Views and in-place results share their base's
+storage and are not counted again. Storages resized in place (``resize_``) are re-recorded.
+
+The same pass records each op (inputs, outputs, module path, phase) for the fx / networkx graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import sympy
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .records import Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage, TensorMeta
+from .rules import lookup_rule
+
+
+def as_expr(value) -> sympy.Expr:
+    """A SymInt / int as a sympy expression, without adding guards."""
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return sympy.Integer(int(value))
+
+
+class Recorder(TorchDispatchMode):
+    """Records storages, their lifetimes and the op sequence of one run.
+
+    Parameters
+    ----------
+    device : str
+        The device type being modelled; storages on other devices are recorded but flagged.
+    """
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device = device
+        self.run = RunRecord()
+        self.phase = Phase.SETUP
+        self.module_stack: list[str] = []
+        self.current_op: str | None = None
+        self._live: dict[int, int] = {}           # id(python storage) -> sid
+        self._producer = WeakTensorKeyDictionary()  # tensor -> record index
+        self._finalizers: list[weakref.finalize] = []
+
+    # -- storages -------------------------------------------------------------------------------
+    @property
+    def time(self) -> int:
+        return len(self.run.ops)
+
+    @property
+    def module(self) -> str | None:
+        return self.module_stack[-1] if self.module_stack else None
+
+    def _track(self, t: torch.Tensor, op: str, category: Category) -> tuple[int, bool]:
+        st = t.untyped_storage()
+        key = id(st)
+        sid = self._live.get(key)
+        if sid is not None:
+            self._check_resize(st, sid)
+            return sid, False
+        sid = len(self.run.storages)
+        self.run.storages.append(Storage(
+            sid=sid, nbytes=as_expr(st.nbytes()), device=t.device.type, alloc=self.time,
+            phase=self.phase, module=self.module, op=op, category=category))
+        self._live[key] = sid
+        self.run.events.append(Event(+1, sid, self.time))
+        self._finalizers.append(weakref.finalize(st, self._release, key, sid))
+        return sid, True
+
+    def _release(self, key: int, sid: int) -> None:
+        if self._live.get(key) == sid:
+            del self._live[key]
+            self.run.storages[sid].free = self.time
+            self.run.events.append(Event(-1, sid, self.time))
+
+    def _check_resize(self, st, sid: int) -> None:
+        old = self.run.storages[sid]
+        new = as_expr(st.nbytes())
+        if new == old.nbytes:
+            return
+        # A resize is a release of the old size and an allocation of the new one.
+        old.free = self.time
+        self.run.events.append(Event(-1, sid, self.time))
+        nsid = len(self.run.storages)
+        self.run.storages.append(Storage(
+            sid=nsid, nbytes=new, device=old.device, alloc=self.time, phase=self.phase,
+            module=self.module, op="resize_", category=old.category))
+        self.run.events.append(Event(+1, nsid, self.time))
+        for key, val in self._live.items():
+            if val == sid:
+                self._live[key] = nsid
+                break
+
+    def sid_of(self, t: torch.Tensor) -> int | None:
+        """The storage id of a tensor, if its storage is tracked and alive."""
+        return self._live.get(id(t.untyped_storage()))
+
+    def _meta(self, t: torch.Tensor, sid: int, fresh: bool) -> TensorMeta:
+        return TensorMeta(tuple(as_expr(d) for d in t.shape), str(t.dtype).removeprefix("torch."),
+                          sid, fresh)
+
+    def register(self, t: torch.Tensor, name: str, category: Category) -> None:
+        """Record a tensor that exists before the step (parameter, buffer, input, state)."""
+        sid, fresh = self._track(t, f"<{category.value}>", category)
+        if not fresh:
+            return
+        idx = len(self.run.ops)
+        self.run.ops.append(LeafRecord(idx, name, category, self._meta(t, sid, True)))
+        self._producer[t] = idx
+
+    def set_category(self, t: torch.Tensor, category: Category) -> None:
+        sid = self.sid_of(t)
+        if sid is not None:
+            self.run.storages[sid].category = category
+
+    def mark_saved(self, t: torch.Tensor) -> None:
+        """Called by the saved-tensor pack hook: ``t`` is kept for backward by the modules open."""
+        sid = self.sid_of(t)
+        if sid is None:
+            return
+        s = self.run.storages[sid]
+        s.saved = True
+        if self.module_stack:
+            s.saved_by = tuple(dict.fromkeys(s.saved_by + tuple(reversed(self.module_stack))))
+
+    def mark(self, phase: Phase) -> None:
+        """Start a new phase; remembers where the previous one ended."""
+        self.run.phase_ends[self.phase] = len(self.run.events)
+        self.phase = phase
+
+    def finish(self) -> RunRecord:
+        self.run.phase_ends[self.phase] = len(self.run.events)
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+        return self.run
+
+    # -- ops ------------------------------------------------------------------------------------
+    def _input_index(self, t: torch.Tensor) -> int:
+        idx = self._producer.get(t)
+        if idx is not None:
+            return idx
+        sid, fresh = self._track(t, "<constant>", Category.TEMPORARY)
+        idx = len(self.run.ops)
+        self.run.ops.append(LeafRecord(idx, "<constant>", self.run.storages[sid].category,
+                                       self._meta(t, sid, fresh)))
+        self._producer[t] = idx
+        return idx
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        self.current_op = name
+        rule = lookup_rule(func, self.device)
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        inputs = tuple(self._input_index(t) for t in flat_in)
+        if rule is not None:
+            out = rule(self, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        ns = func.namespace
+        if ns not in ("aten", "prims"):
+            self.run.other_ops[name] = self.run.other_ops.get(name, 0) + 1
+        node = None
+        if self.phase is Phase.BACKWARD:
+            n = torch._C._current_autograd_node()
+            node = n.name() if n is not None else None
+        metas = []
+        idx = len(self.run.ops)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                sid, fresh = self._track(t, name, Category.TEMPORARY)
+                metas.append(self._meta(t, sid, fresh))
+                self._producer[t] = idx
+        self.run.ops.append(OpRecord(idx, name, inputs, tuple(metas), self.module, self.phase,
+                                     node))
+        self.current_op = None
+        return out

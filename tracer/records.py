@@ -1,0 +1,141 @@
+"""The data a trace produces: storages with symbolic sizes and lifetimes, and the ops that ran.
+
+Everything here is plain, frozen data (sympy expressions in the *raw* ShapeEnv symbols until
+:func:`tracer.trace` maps them to the user's names). No tensors are held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import sympy
+
+
+class Category(str, Enum):
+    """What a storage is, in the vocabulary of ``torch.distributed._tools.mem_tracker``.
+
+    - ``parameter``: a module parameter (trainable or frozen).
+    - ``buffer``: a module buffer (BatchNorm running stats, rotary tables...).
+    - ``input``: a tensor given to ``forward``.
+    - ``gradient``: a tensor that ends up as some parameter's ``.grad``.
+    - ``optimizer_state``: a tensor held in ``optimizer.state`` (moments, step counters).
+    - ``activation``: allocated in forward (or the loss) and still alive when backward starts,
+      i.e. kept for backward (or the model's output).
+    - ``temporary``: everything else: freed within its phase, or made by backward / the optimizer.
+    """
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATION = "activation"
+    TEMPORARY = "temporary"
+
+
+MODEL_STATE = frozenset({Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE})
+
+
+class Phase(str, Enum):
+    """Where in the step an allocation happened."""
+
+    SETUP = "setup"            # before the step: parameters, inputs, warm-up of optimizer state
+    ZERO_GRAD = "zero_grad"
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass
+class Storage:
+    """One untyped storage and its lifetime, in op-index time.
+
+    Attributes
+    ----------
+    sid : int
+        Storage id, dense from 0 in allocation order.
+    nbytes : sympy.Expr
+        Size in bytes (symbolic).
+    device : str
+        Device type the storage lives on (``"cuda"``, ``"cpu"``).
+    alloc : int
+        Index of the op (or registration) that created it; registrations take index -1.
+    free : int or None
+        Index of the event after which it was released; None if alive at the end of the run.
+    phase : Phase
+    module : str or None
+        Dotted module path running when it was allocated ("" is the root; None outside modules).
+    op : str
+        The op that returned it (or the registration kind).
+    category : Category
+    saved_by : tuple of str
+        Module paths whose forward saved it for backward (innermost first), empty if never saved.
+    """
+
+    sid: int
+    nbytes: sympy.Expr
+    device: str
+    alloc: int
+    phase: Phase
+    module: str | None
+    op: str
+    category: Category = Category.TEMPORARY
+    free: int | None = None
+    saved_by: tuple[str, ...] = ()
+    saved: bool = False
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """An op's output: shape (sympy), dtype, and the storage it lives in."""
+
+    shape: tuple
+    dtype: str
+    sid: int
+    fresh: bool  # True if the op allocated this storage, False for a view / in-place result
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One ATen op call, in execution order."""
+
+    index: int
+    op: str
+    inputs: tuple[int, ...]        # indices of records (ops or leaves) producing the tensor args
+    outputs: tuple[TensorMeta, ...]
+    module: str | None
+    phase: Phase
+    autograd_node: str | None = None
+
+
+@dataclass(frozen=True)
+class LeafRecord:
+    """A tensor that no recorded op produced: a parameter, buffer, input or state tensor."""
+
+    index: int
+    name: str
+    category: Category
+    meta: TensorMeta
+
+
+@dataclass
+class Event:
+    """An allocation (+) or release (-) of one storage, in execution order."""
+
+    sign: int
+    sid: int
+    time: int
+
+
+@dataclass
+class RunRecord:
+    """Everything one symbolic run recorded."""
+
+    storages: list[Storage] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    ops: list = field(default_factory=list)  # OpRecord | LeafRecord, index == position
+    start: int = 0                           # index into events where the measured step begins
+    phase_ends: dict = field(default_factory=dict)  # Phase -> index into events at its end
+    other_ops: dict = field(default_factory=dict)   # op name -> count, ops outside aten/prims

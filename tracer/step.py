@@ -1,0 +1,343 @@
+"""Run one training step (or one inference forward) of a module symbolically, recording memory.
+
+The step is the plain eager loop, in steady state (optimizer state already exists)::
+
+    optimizer.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    loss = loss_fn(out)
+    loss.backward()
+    optimizer.step()
+    # `out` and `loss` are still referenced here, as in a plain training loop
+
+It runs on fake tensors under ``FakeTensorMode`` with a ``ShapeEnv``: parameters and inputs have
+no data and symbolic sizes, so one run gives every storage's size as a formula. The module is
+never materialized: its parameters and buffers are swapped for fake ones for the duration of the
+run and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import sympy
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.symbolic_shapes import (
+    DimDynamic,
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+)
+
+from . import kernels  # noqa: F401  (registers the built-in rules)
+from .errors import (
+    DataDependentError,
+    InputError,
+    MemsimError,
+    TraceError,
+    UnsupportedOpError,
+)
+from .records import Category, Phase, RunRecord
+from .recorder import Recorder
+from .spec import TensorSpec
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + p
+                  for p in ("tracer", "analysis", "strategies"))
+_STDLIB = os.path.dirname(os.__file__)
+
+LossFn = Callable[[Any], torch.Tensor]
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+@dataclass
+class SymbolTable:
+    """The input symbols of one run: user name -> raw ShapeEnv symbol, and the example hints."""
+
+    raw: dict[str, sympy.Symbol]
+    hints: dict[str, int]
+
+
+def default_loss(out) -> torch.Tensor:
+    """``out.loss`` when present, ``out`` when it is a scalar, else the sum of its first tensor."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else out.sum()
+    flat = torch.utils._pytree.tree_flatten(
+        out.to_tuple() if hasattr(out, "to_tuple") else out)[0]
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.sum()
+    raise InputError("the model's output holds no floating-point tensor to take a loss from",
+                     hint="pass loss_fn=... (a function of the output returning a scalar)")
+
+
+def default_optimizer(device: str) -> OptimizerFactory:
+    """AdamW with torch's defaults (for-loop on CPU, foreach on CUDA, as torch picks)."""
+    return lambda params: torch.optim.AdamW(params)
+
+
+def model_source(tb) -> str | None:
+    """``file:line`` of the innermost traceback frame that is model code (not torch, not ours)."""
+    best = None
+    for frame, lineno in traceback.walk_tb(tb):
+        f = os.path.abspath(frame.f_code.co_filename)
+        if f.startswith(_TORCH_DIR) or f.startswith(_OWN_DIRS) or f.startswith(_STDLIB):
+            continue
+        if "<frozen" in f or "/site-packages/sympy" in f or "/site-packages/networkx" in f:
+            continue
+        best = f"{f}:{lineno}"
+    return best
+
+
+@contextlib.contextmanager
+def module_tracking(model: torch.nn.Module, recorder: Recorder):
+    """Keep ``recorder.module_stack`` as the dotted paths of the modules whose forward is open."""
+    names = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(mod), name)
+
+    def pre(mod, args):
+        recorder.module_stack.append(names.get(id(mod), type(mod).__name__))
+
+    def post(mod, args, out):  # not called on an exception: the stack then names the culprit
+        if recorder.module_stack:
+            recorder.module_stack.pop()
+
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+@contextlib.contextmanager
+def fake_module(model: torch.nn.Module, device: str):
+    """Swap every parameter and buffer of ``model`` for a fake one on ``device``; restore after.
+
+    Must be entered inside the ``FakeTensorMode``. Tied parameters stay tied.
+    """
+    saved: list[tuple[dict, str, Any]] = []
+    memo: dict[int, torch.Tensor] = {}
+    try:
+        for mod in model.modules():
+            for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    saved.append((table, name, t))
+                    if id(t) not in memo:
+                        new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                        if is_param:
+                            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                        memo[id(t)] = new
+                    table[name] = memo[id(t)]
+        yield
+    finally:
+        for table, name, t in reversed(saved):
+            table[name] = t
+
+
+@contextlib.contextmanager
+def foreach_for_fake():
+    """Let torch.optim's default implementation choice treat fake tensors like real ones.
+
+    torch picks foreach kernels only for ``type(p) in (Tensor, Parameter)``; a fake parameter's
+    type is ``FakeTensor``, which would make a CUDA run look like the for-loop implementation.
+    """
+    from torch.optim import optimizer as _opt
+
+    types = _opt._foreach_supported_types
+    types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        types.remove(FakeTensor)
+
+
+def check_inputs(model: torch.nn.Module, names: list[str]) -> None:
+    """Raise an InputError naming the input that ``forward`` does not take."""
+    sig = inspect.signature(model.forward)
+    params = [p for p in sig.parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    known = {p.name for p in params}
+    for n in names:
+        if n not in known:
+            import difflib
+            close = difflib.get_close_matches(n, known, n=1)
+            raise InputError(
+                f"{type(model).__name__}.forward has no parameter {n!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else ""),
+                hint=f"forward takes: {', '.join(p.name for p in params) or '(nothing)'}")
+    missing = [p.name for p in params if p.default is p.empty and p.name not in names]
+    if missing:
+        raise InputError(
+            f"{type(model).__name__}.forward needs {', '.join(map(repr, missing))}, "
+            "which no input gives",
+            hint=f"forward takes: {', '.join(p.name for p in params)}")
+
+
+def make_inputs(specs: list[TensorSpec], shape_env: ShapeEnv, hints: dict[str, int],
+                device: str) -> tuple[dict[str, torch.Tensor], SymbolTable]:
+    """Create fake input tensors with one ShapeEnv symbol per user symbol name."""
+    from torch._dynamo.source import ConstantSource
+
+    raw: dict[str, sympy.Symbol] = {}
+    symints: dict[str, torch.SymInt] = {}
+    for spec in specs:
+        for name in spec.symbols:
+            if name in symints:
+                continue
+            src = ConstantSource(f"memsim_{name}")
+            expr = shape_env.create_symbol(hints[name], src, dynamic_dim=DimDynamic.DYNAMIC)
+            raw[name] = expr
+            symints[name] = shape_env.create_symintnode(expr, hint=hints[name], source=src)
+    tensors = {}
+    for spec in specs:
+        shape = [symints[d] if isinstance(d, str) else d for d in spec.shape]
+        tensors[spec.name] = torch.empty(shape, dtype=spec.dtype, device=device)
+    return tensors, SymbolTable(raw, dict(hints))
+
+
+def translate(err: BaseException, recorder: Recorder | None) -> MemsimError:
+    """Turn an exception raised inside the symbolic run into a typed memsim error."""
+    module = recorder.module if recorder is not None else None
+    op = recorder.current_op if recorder is not None else None
+    source = model_source(err.__traceback__)
+    if isinstance(err, TraceError):
+        if err.source is None:
+            err.source = source
+        return err
+    if isinstance(err, MemsimError):
+        return err
+    if isinstance(err, UnsupportedOperatorException):
+        return UnsupportedOpError(
+            f"op {err.func} has no fake (meta) kernel, so its memory is unknown",
+            module=module, op=str(err.func), source=source,
+            hint="register one with torch.library.register_fake, or exclude this module")
+    if isinstance(err, (DataDependentOutputException, DynamicOutputShapeException,
+                        GuardOnDataDependentSymNode)):
+        return DataDependentError(
+            "the model's sizes or control flow depend on tensor values, which a symbolic run "
+            f"does not have ({type(err).__name__})", module=module, op=op, source=source,
+            hint="make the branch depend on shapes only, or pass that value as a constant")
+    text = str(err).strip().splitlines()
+    return TraceError(f"the model failed when run symbolically: {type(err).__name__}: "
+                      f"{text[0] if text else ''}", module=module, op=op, source=source,
+                      hint="check that the model runs eagerly with these input shapes; if it "
+                           "does, report the op and module above")
+
+
+def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
+             hints: dict[str, int], train: bool, loss_fn: LossFn | None = None,
+             optimizer: OptimizerFactory | None = None, constants: dict | None = None,
+             keep_outputs: bool = True, patches: Callable | None = None
+             ) -> tuple[RunRecord, ShapeEnv, SymbolTable]:
+    """Run one training step (``train=True``) or one inference forward symbolically."""
+    constants = dict(constants or {})
+    check_inputs(model, [s.name for s in specs] + list(constants))
+    shape_env = ShapeEnv()
+    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    recorder = Recorder(device)
+    was_training = model.training
+    loss_fn = loss_fn or default_loss
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fake_mode)
+            stack.enter_context(fake_module(model, device))
+            stack.enter_context(foreach_for_fake())
+            if patches is not None:
+                stack.enter_context(patches())
+            inputs, symbols = make_inputs(specs, shape_env, hints, device)
+            model.train(train)
+            params = [p for p in dict.fromkeys(model.parameters())]
+            trainable = [p for p in params if p.requires_grad]
+            opt = (optimizer or default_optimizer(device))(trainable) if train else None
+            stack.enter_context(recorder)
+            stack.enter_context(module_tracking(model, recorder))
+            _register(recorder, model, inputs)
+            if train:
+                _warm_up(recorder, opt, trainable)
+            recorder.run.start = len(recorder.run.events)
+            if train:
+                recorder.mark(Phase.ZERO_GRAD)
+                opt.zero_grad(set_to_none=True)
+                recorder.mark(Phase.FORWARD)
+                with torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: (recorder.mark_saved(t), t)[1], lambda t: t):
+                    out = model(**inputs, **constants)
+                    recorder.mark(Phase.LOSS)
+                    loss = loss_fn(out)
+                _check_loss(loss)
+                recorder.mark(Phase.BACKWARD)
+                loss.backward()
+                for p in trainable:
+                    if p.grad is not None:
+                        recorder.set_category(p.grad, Category.GRADIENT)
+                recorder.mark(Phase.OPTIMIZER)
+                opt.step()
+                if not keep_outputs:
+                    del out, loss
+            else:
+                recorder.mark(Phase.FORWARD)
+                with torch.no_grad():
+                    out = model(**inputs, **constants)
+            record = recorder.finish()
+            del out
+    except BaseException as e:  # noqa: BLE001 - re-raised as a typed error
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise translate(e, recorder) from e
+    finally:
+        model.train(was_training)
+    return record, shape_env, symbols
+
+
+def _check_loss(loss) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else (
+            f"tensor of shape {tuple(loss.shape)}" if loss.dim() else "tensor without grad")
+        raise InputError(f"the loss must be a scalar tensor that requires grad; got a {what}",
+                         hint="pass loss_fn=... returning a scalar, or check that some "
+                              "parameter requires grad")
+
+
+def _register(recorder: Recorder, model: torch.nn.Module, inputs: dict) -> None:
+    for name, p in model.named_parameters():
+        recorder.register(p, name, Category.PARAMETER)
+    for name, b in model.named_buffers():
+        recorder.register(b, name, Category.BUFFER)
+    for name, t in inputs.items():
+        recorder.register(t, name, Category.INPUT)
+
+
+def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list) -> None:
+    """Create the optimizer state as a previous step would have, and that step's gradients."""
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in trainable:
+        recorder.set_category(p.grad, Category.GRADIENT)
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                recorder.set_category(v, Category.OPTIMIZER_STATE)
