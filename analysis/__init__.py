@@ -106,8 +106,8 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
     hints : dict, optional
         Example sizes for the symbolic run (distinct, >= 2).
     keep_outputs : bool
-        Keep the forward output and loss referenced through backward and the optimizer step,
-        as a plain training loop does (default True).
+        Keep the forward output referenced through backward and the optimizer step, as a plain
+        training loop does (default True); False drops it once the loss is computed.
     limits : dict, optional
         Upper bounds the model imposes on symbols (Hugging Face limits are found on their own).
     """

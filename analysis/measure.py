@@ -12,6 +12,9 @@ The step is the plain loop, after one warm-up step so that optimizer state exist
     loss = loss_fn(out)
     loss.backward()
     opt.step()
+
+With ``keep_outputs=False`` the output is dropped once the loss is computed (only the loss is
+kept, as Hugging Face's Trainer does).
 """
 
 from __future__ import annotations
@@ -148,10 +151,10 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
         out = model(**inputs)
         loss = loss_fn(out)
         at_backward = c.cur - before
+        if not keep_outputs:
+            del out
         loss.backward()
         opt.step()
-        if not keep_outputs:
-            del out, loss
     c.close()
     n = lambda ts: sum(t.untyped_storage().nbytes() for t in
                        {id(t.untyped_storage()): t for t in ts}.values())

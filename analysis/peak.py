@@ -157,26 +157,36 @@ def regime_changes(cands: Sequence[Candidate], sym: sympy.Symbol, at: dict,
                    lo: int, hi: int | None) -> list[tuple[int, Candidate]]:
     """Where the largest candidate changes as ``sym`` grows, others held at ``at``.
 
-    Returns ``[(first value of sym where cand is largest, cand), ...]`` in increasing order.
+    The winner is found at ``lo`` and at powers of two up to ``hi`` (or 2**24), and each change
+    between two samples is located exactly by bisection. Returns ``[(first value of sym where
+    the candidate is largest, candidate), ...]``. A regime that starts and ends between two
+    samples can be missed; the peak formula itself is unaffected.
     """
-    if len(cands) < 2:
-        return [(lo, cands[0])] if cands else []
+    if not cands:
+        return []
     others = {s: v for s, v in at.items() if s != sym}
-    uni = [sympy.expand(c.expr.subs(others)) for c in cands]
-    points = {lo}
-    for i in range(len(uni)):
-        for j in range(i + 1, len(uni)):
-            diff = sympy.Poly(uni[i] - uni[j], sym) if (uni[i] - uni[j]).free_symbols else None
-            if diff is None:
-                continue
-            for r in diff.real_roots():
-                for v in (int(sympy.floor(r)), int(sympy.floor(r)) + 1):
-                    if v >= lo and (hi is None or v <= hi):
-                        points.add(v)
-    out: list[tuple[int, Candidate]] = []
-    for v in sorted(points):
-        vals = [int(u.subs(sym, v)) for u in uni]
-        best = max(range(len(vals)), key=lambda k: (vals[k], -k))
-        if not out or out[-1][1] is not cands[best]:
-            out.append((v, cands[best]))
-    return out
+    polys = [sympy.Poly(sympy.expand(c.expr.subs(others)), sym) for c in cands]
+    top = hi if hi is not None else 2 ** 24
+
+    def best(v: int) -> int:
+        vals = [p.eval(v) for p in polys]
+        return max(range(len(vals)), key=lambda k: (vals[k], -cands[k].event))
+
+    samples = sorted({lo, top} | {2 ** k for k in range(1, 25) if lo < 2 ** k < top})
+    out = [(lo, best(lo))]
+    prev = lo
+    for v in samples[1:]:
+        w = best(v)
+        if w != out[-1][1]:
+            a, b = prev, v  # best(a) == out[-1][1], best(b) != it
+            while b - a > 1:
+                mid = (a + b) // 2
+                if best(mid) == out[-1][1]:
+                    a = mid
+                else:
+                    b = mid
+            out.append((b, best(b)))
+            if out[-1][1] != w:
+                out.append((v, w))
+        prev = v
+    return [(v, cands[k]) for v, k in out]

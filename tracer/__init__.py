@@ -149,7 +149,7 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
                                      keep_outputs=keep_outputs, patches=patches)
     user = {n: symbol(n) for n in table.raw}
     to_user = {raw: user[n] for n, raw in table.raw.items()}
-    ranges, guards = _validity(shape_env, table, to_user, limits or {})
+    ranges, guards = _validity(shape_env, table, to_user, limits or {}, run.specialized)
     cache: dict = {}
     for s in run.storages:
         e = s.nbytes
@@ -185,16 +185,19 @@ def _check_backed(s: Storage, run: RunRecord) -> None:
                  "memsim cannot give a formula for them")
 
 
-def _validity(shape_env, table, to_user, limits):
+def _validity(shape_env, table, to_user, limits, specialized=()):
     """Ranges of validity per symbol and the other guards, in the user's symbols."""
     for name, raw in table.raw.items():
         rep = shape_env.replacements.get(raw)
         if rep is not None and rep != raw:
-            where = next((str(g.sloc) for g in shape_env.guards
-                          if raw in g.expr.free_symbols), None)
+            op = module = where = None
+            for sym, _, op_, mod_, src in specialized:
+                if sym == raw:
+                    op, module, where = op_, mod_, src
+                    break
             raise SpecializationError(
                 f"the model's code ties symbol {name} to {rep.xreplace(to_user)} "
-                f"(example size {table.hints[name]})", source=where,
+                f"(example size {table.hints[name]})", source=where, op=op, module=module,
                 hint=f"give {name} as a fixed integer, or a different example size "
                      f"(hints={{'{name}': ...}}) if it only matched a constant by chance")
     ranges = {}

@@ -36,7 +36,9 @@ class Recorder(TorchDispatchMode):
     Parameters
     ----------
     device : str
-        The device type being modelled; storages on other devices are recorded but flagged.
+        The device type being modelled. Every fake tensor lives on the CPU (autograd cannot run
+        fake CUDA tensors in a CPU build); storages are labelled with the modelled device, or
+        "host" where the real run would keep them in host memory.
     """
 
     def __init__(self, device: str):
@@ -49,6 +51,9 @@ class Recorder(TorchDispatchMode):
         self._live: dict[int, int] = {}           # id(python storage) -> sid
         self._producer = WeakTensorKeyDictionary()  # tensor -> record index
         self._finalizers: list[weakref.finalize] = []
+        self.shape_env = None           # set by the driver: specializations are caught per op
+        self.specialized: list[tuple] = []  # (raw symbol, value, op, module, source)
+        self._n_repl = 0
 
     # -- storages -------------------------------------------------------------------------------
     @property
@@ -68,7 +73,7 @@ class Recorder(TorchDispatchMode):
             return sid, False
         sid = len(self.run.storages)
         self.run.storages.append(Storage(
-            sid=sid, nbytes=as_expr(st.nbytes()), device=t.device.type, alloc=self.time,
+            sid=sid, nbytes=as_expr(st.nbytes()), device=self.device, alloc=self.time,
             phase=self.phase, module=self.module, op=op, category=category))
         self._live[key] = sid
         self.run.events.append(Event(+1, sid, self.time))
@@ -116,6 +121,12 @@ class Recorder(TorchDispatchMode):
         self.run.ops.append(LeafRecord(idx, name, category, self._meta(t, sid, True)))
         self._producer[t] = idx
 
+    def set_host(self, t: torch.Tensor) -> None:
+        """Mark ``t``'s storage as living in host memory (not counted on the device)."""
+        sid = self.sid_of(t)
+        if sid is not None:
+            self.run.storages[sid].device = "host"
+
     def set_category(self, t: torch.Tensor, category: Category) -> None:
         sid = self.sid_of(t)
         if sid is not None:
@@ -143,6 +154,18 @@ class Recorder(TorchDispatchMode):
         self._finalizers.clear()
         return self.run
 
+    def _note_specialization(self, op: str) -> None:
+        import traceback
+
+        from .step import model_source_stack
+
+        reps = self.shape_env.replacements
+        self._n_repl = len(reps)
+        src = model_source_stack(traceback.extract_stack())
+        for sym, val in reps.items():
+            if not any(x[0] == sym for x in self.specialized):
+                self.specialized.append((sym, val, op, self.module, src))
+
     # -- ops ------------------------------------------------------------------------------------
     def _input_index(self, t: torch.Tensor) -> int:
         idx = self._producer.get(t)
@@ -166,8 +189,11 @@ class Recorder(TorchDispatchMode):
             out = rule(self, func, args, kwargs)
         else:
             out = func(*args, **kwargs)
+        if self.shape_env is not None and len(self.shape_env.replacements) != self._n_repl:
+            self._note_specialization(name)
         ns = func.namespace
-        if ns not in ("aten", "prims"):
+        if ns not in ("aten", "prims", "prim", "profiler") and any(
+                isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
             self.run.other_ops[name] = self.run.other_ops.get(name, 0) + 1
         node = None
         if self.phase is Phase.BACKWARD:

@@ -139,3 +139,4 @@ class RunRecord:
     start: int = 0                           # index into events where the measured step begins
     phase_ends: dict = field(default_factory=dict)  # Phase -> index into events at its end
     other_ops: dict = field(default_factory=dict)   # op name -> count, ops outside aten/prims
+    specialized: list = field(default_factory=list)  # (raw symbol, value, op, module, source)

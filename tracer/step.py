@@ -88,21 +88,55 @@ def default_loss(out) -> torch.Tensor:
 
 
 def default_optimizer(device: str) -> OptimizerFactory:
-    """AdamW with torch's defaults (for-loop on CPU, foreach on CUDA, as torch picks)."""
+    """AdamW with torch's defaults (torch picks for-loop on CPU, foreach on CUDA)."""
     return lambda params: torch.optim.AdamW(params)
+
+
+@contextlib.contextmanager
+def optimizer_defaults_for(device: str):
+    """Make torch.optim pick its implementation as it would on ``device``.
+
+    torch picks foreach kernels only for ``type(p) in (Tensor, Parameter)`` on CUDA-like
+    devices; the fake parameters are ``FakeTensor`` on the CPU. Both checks are widened for the
+    run (and restored after), so that the choice is torch's own for the modelled device.
+    """
+    from torch.optim import optimizer as _opt
+
+    types = _opt._foreach_supported_types
+    types.append(FakeTensor)
+    orig = _opt._get_foreach_kernels_supported_devices
+    if device == "cuda":
+        _opt._get_foreach_kernels_supported_devices = lambda: [*orig(), "cpu"]
+    try:
+        yield
+    finally:
+        types.remove(FakeTensor)
+        _opt._get_foreach_kernels_supported_devices = orig
+
+
+def _is_model_file(f: str) -> bool:
+    f = os.path.abspath(f)
+    stdlib = f.startswith(_STDLIB) and "site-packages" not in f and "dist-packages" not in f
+    return not (f.startswith(_TORCH_DIR) or f.startswith(_OWN_DIRS) or stdlib
+                or "<frozen" in f or "/site-packages/sympy" in f
+                or "/site-packages/networkx" in f)
 
 
 def model_source(tb) -> str | None:
     """``file:line`` of the innermost traceback frame that is model code (not torch, not ours)."""
     best = None
     for frame, lineno in traceback.walk_tb(tb):
-        f = os.path.abspath(frame.f_code.co_filename)
-        if f.startswith(_TORCH_DIR) or f.startswith(_OWN_DIRS) or f.startswith(_STDLIB):
-            continue
-        if "<frozen" in f or "/site-packages/sympy" in f or "/site-packages/networkx" in f:
-            continue
-        best = f"{f}:{lineno}"
+        if _is_model_file(frame.f_code.co_filename):
+            best = f"{os.path.abspath(frame.f_code.co_filename)}:{lineno}"
     return best
+
+
+def model_source_stack(stack) -> str | None:
+    """``file:line`` of the innermost frame of model code in a ``traceback.extract_stack()``."""
+    for fr in reversed(stack):
+        if _is_model_file(fr.filename):
+            return f"{os.path.abspath(fr.filename)}:{fr.lineno} ({fr.line})"
+    return None
 
 
 @contextlib.contextmanager
@@ -153,23 +187,6 @@ def fake_module(model: torch.nn.Module, device: str):
     finally:
         for table, name, t in reversed(saved):
             table[name] = t
-
-
-@contextlib.contextmanager
-def foreach_for_fake():
-    """Let torch.optim's default implementation choice treat fake tensors like real ones.
-
-    torch picks foreach kernels only for ``type(p) in (Tensor, Parameter)``; a fake parameter's
-    type is ``FakeTensor``, which would make a CUDA run look like the for-loop implementation.
-    """
-    from torch.optim import optimizer as _opt
-
-    types = _opt._foreach_supported_types
-    types.append(FakeTensor)
-    try:
-        yield
-    finally:
-        types.remove(FakeTensor)
 
 
 def check_inputs(model: torch.nn.Module, names: list[str]) -> None:
@@ -241,6 +258,14 @@ def translate(err: BaseException, recorder: Recorder | None) -> MemsimError:
             f"does not have ({type(err).__name__})", module=module, op=op, source=source,
             hint="make the branch depend on shapes only, or pass that value as a constant")
     text = str(err).strip().splitlines()
+    msg = str(err)
+    if ("no fake impl" in msg or "fake impl" in msg and "registered" in msg
+            or "from the 'Meta' backend" in msg or "meta kernel" in msg.lower()):
+        return UnsupportedOpError(
+            f"op {op} has no fake (meta) kernel, so its memory is unknown", module=module,
+            op=op, source=source,
+            hint="register one with torch.library.register_fake (its output shapes are "
+                 "enough), or exclude this module")
     return TraceError(f"the model failed when run symbolically: {type(err).__name__}: "
                       f"{text[0] if text else ''}", module=module, op=op, source=source,
                       hint="check that the model runs eagerly with these input shapes; if it "
@@ -258,16 +283,20 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     recorder = Recorder(device)
+    recorder.shape_env = shape_env
     was_training = model.training
     loss_fn = loss_fn or default_loss
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(fake_mode)
-            stack.enter_context(fake_module(model, device))
-            stack.enter_context(foreach_for_fake())
+            stack.enter_context(fake_module(model, "cpu"))
+            stack.enter_context(optimizer_defaults_for(device))
+            if device == "cuda":
+                from .cuda import cuda_kernels
+                stack.enter_context(cuda_kernels())
             if patches is not None:
                 stack.enter_context(patches())
-            inputs, symbols = make_inputs(specs, shape_env, hints, device)
+            inputs, symbols = make_inputs(specs, shape_env, hints, "cpu")
             model.train(train)
             params = [p for p in dict.fromkeys(model.parameters())]
             trainable = [p for p in params if p.requires_grad]
@@ -276,7 +305,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             stack.enter_context(module_tracking(model, recorder))
             _register(recorder, model, inputs)
             if train:
-                _warm_up(recorder, opt, trainable)
+                _warm_up(recorder, opt, trainable, device)
             recorder.run.start = len(recorder.run.events)
             if train:
                 recorder.mark(Phase.ZERO_GRAD)
@@ -288,6 +317,8 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
                     recorder.mark(Phase.LOSS)
                     loss = loss_fn(out)
                 _check_loss(loss)
+                if not keep_outputs:
+                    out = None  # only the loss is kept, as Hugging Face's Trainer does
                 recorder.mark(Phase.BACKWARD)
                 loss.backward()
                 for p in trainable:
@@ -295,14 +326,13 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
                         recorder.set_category(p.grad, Category.GRADIENT)
                 recorder.mark(Phase.OPTIMIZER)
                 opt.step()
-                if not keep_outputs:
-                    del out, loss
             else:
                 recorder.mark(Phase.FORWARD)
                 with torch.no_grad():
                     out = model(**inputs, **constants)
             record = recorder.finish()
-            del out
+            record.specialized = list(recorder.specialized)
+            out = loss = None
     except BaseException as e:  # noqa: BLE001 - re-raised as a typed error
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -330,14 +360,22 @@ def _register(recorder: Recorder, model: torch.nn.Module, inputs: dict) -> None:
         recorder.register(t, name, Category.INPUT)
 
 
-def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list) -> None:
-    """Create the optimizer state as a previous step would have, and that step's gradients."""
+def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
+             device: str) -> None:
+    """Create the optimizer state as a previous step would have, and that step's gradients.
+
+    On CUDA, torch.optim keeps scalar ``step`` counters on the host unless the optimizer is
+    ``capturable`` or ``fused``: those are marked as host memory.
+    """
     for p in trainable:
         p.grad = torch.zeros_like(p)
     opt.step()
     for p in trainable:
         recorder.set_category(p.grad, Category.GRADIENT)
+    on_device_steps = any(g.get("capturable") or g.get("fused") for g in opt.param_groups)
     for state in opt.state.values():
-        for v in state.values():
+        for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 recorder.set_category(v, Category.OPTIMIZER_STATE)
+                if device == "cuda" and k == "step" and v.dim() == 0 and not on_device_steps:
+                    recorder.set_host(v)

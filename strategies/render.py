@@ -1,0 +1,152 @@
+"""Rendering of a :class:`analysis.Report`: tabulate tables and the stable JSON document.
+
+This is the edge of the data flow: only here (and in the CLI) is anything formatted for people.
+"""
+
+from __future__ import annotations
+
+import sympy
+from tabulate import tabulate
+
+from analysis import TRAIN_FIELDS, VERSION, Report
+
+LABELS = {
+    "peak": "peak (everything live)",
+    "activation_peak": "activation peak (not model state)",
+    "saved_activations": "saved for backward",
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+}
+
+DEVICE_NOTES = {
+    "cpu": "CPU kernels as torch picks them on CPU; sizes are live tensor storages",
+    "cuda": ("CUDA kernel choices (foreach optimizers, fused attention where modelled); "
+             "sizes are live tensor storages; allocator rounding and CUDA context are not "
+             "included yet"),
+}
+
+
+def human(n: int | None) -> str:
+    """Bytes as a binary-unit string: ``human(1536) == '1.50 KiB'``."""
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{int(x)} B" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+    return f"{n} B"
+
+
+def formula(expr: sympy.Expr) -> str:
+    """A sympy-parsable string in the user's symbols."""
+    return sympy.sstr(expr, order="grlex")
+
+
+def short(expr: sympy.Expr) -> str:
+    """A formula for a table cell: a Max of many regimes is summarised."""
+    if isinstance(expr, sympy.Max) and len(expr.args) > 2:
+        return f"max of {len(expr.args)} regimes (--json has the formula)"
+    return formula(expr)
+
+
+def _e(step, expr, point) -> dict:
+    return {"formula": formula(expr),
+            "bytes": step.evaluate(expr, point) if point is not None else None}
+
+
+def to_json(report: Report, point: dict[str, int] | None = None) -> dict:
+    """The stable JSON document (see README, "JSON output")."""
+    doc: dict = {"memsim": VERSION, "device": report.device,
+                 "symbols": list(report.symbols), "at": dict(point) if point else None,
+                 "ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()}}
+    if report.train is not None:
+        t = report.train
+        doc["train"] = {f: _e(t, getattr(t, f), point) for f in TRAIN_FIELDS}
+        doc["train"]["regimes"] = [
+            {"formula": formula(c.expr), "where": str(c.label)} for c in t.candidates]
+    if report.inference is not None:
+        doc["inference"] = {"peak": _e(report.inference, report.inference.peak, point)}
+    step = report.train or report.inference
+    doc["modules"] = [{"path": m.path, "type": m.type, "saved": _e(step, m.saved, point)}
+                      for m in report.modules]
+    doc["other_ops"] = dict(report.other_ops)
+    return doc
+
+
+def _range_text(report: Report) -> str:
+    parts = []
+    for n, (lo, hi) in report.ranges.items():
+        parts.append(f"{lo} <= {n}" + (f" <= {hi}" if hi is not None else ""))
+    return ", ".join(parts) or "(no symbols)"
+
+
+def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8) -> str:
+    """Readable tables: figures with formulas, the peak's regimes, breakdown, top modules."""
+    out = [f"memsim {VERSION} — device modelled: {report.device} "
+           f"({DEVICE_NOTES[report.device]})",
+           f"formulas in bytes, valid for {_range_text(report)}"
+           + (f"; evaluated at {', '.join(f'{k}={v}' for k, v in point.items())}" if point else "")]
+    if report.train is not None:
+        t = report.train
+        rows = []
+        for f in TRAIN_FIELDS:
+            expr = getattr(t, f)
+            val = t.evaluate(expr, point) if point else None
+            rows.append([LABELS[f], short(expr)] + ([human(val)] if point else []))
+        out += ["", "Training step", tabulate(rows, headers=["", "formula (bytes)"]
+                                              + (["at point"] if point else []))]
+        changes = {n: t.regimes(n, point) for n in report.symbols} if point else {}
+        shown = t.candidates
+        if point:
+            win = t.winner(point)
+            keep = {id(win)} | {id(c) for ch in changes.values() for _, c in ch}
+            shown = [c for c in t.candidates if id(c) in keep]
+        if len(t.candidates) > 1 or point:
+            rows = []
+            for c in shown:
+                val = t.evaluate(c.expr, point) if point else None
+                rows.append(["*" if point and c is win else "", formula(c.expr), str(c.label)]
+                            + ([human(val)] if point else []))
+            more = len(t.candidates) - len(shown)
+            out += ["", f"Peak regimes: the peak is the largest of {len(t.candidates)} "
+                        "candidates" + (f"; the {len(shown)} that are largest along some "
+                                        "symbol from this point are shown" if more else ""),
+                    tabulate(rows, headers=["", "bytes", "reached at"]
+                             + (["at point"] if point else []))]
+        if point:
+            for n, ch in changes.items():
+                if len(ch) > 1:
+                    out.append("  as " + n + " grows: " + "; ".join(
+                        f"from {n}={v}: {c.label}" for v, c in ch))
+            bd = t.breakdown(point)
+            rows = [[k, human(v)] for k, v in bd.items() if v]
+            out += ["", f"Live at the peak ({t.winner(point).label})",
+                    tabulate(rows + [["total", human(sum(bd.values()))]],
+                             headers=["category", "bytes"])]
+    if report.inference is not None:
+        i = report.inference
+        val = i.evaluate(i.peak, point) if point else None
+        out += ["", "Inference (eval, no_grad)",
+                tabulate([["peak", short(i.peak)] + ([human(val)] if point else [])],
+                         headers=["", "formula (bytes)"] + (["at point"] if point else []))]
+    if report.modules:
+        step = report.train
+        rows = []
+        mods = [m for m in report.modules if m.path]
+        if point:
+            mods.sort(key=lambda m: -step.evaluate(m.saved, point))
+        for m in mods[:top]:
+            rows.append([m.path, m.type, formula(m.saved)]
+                        + ([human(step.evaluate(m.saved, point))] if point else []))
+        out += ["", f"Top modules by bytes saved for backward (inclusive; top {top})",
+                tabulate(rows, headers=["module", "type", "saved (bytes)"]
+                         + (["at point"] if point else []))]
+    if report.other_ops:
+        out += ["", "Ops outside ATen (memory from their fake kernels, not checked against a "
+                    "real run): " + ", ".join(f"{k} x{v}" for k, v in report.other_ops.items())]
+    guards = sorted({g for s in (report.train, report.inference) if s for g in s.trace.guards})
+    if guards:
+        out += ["", "Also assumed by the trace: " + "; ".join(guards)]
+    return "\n".join(out)

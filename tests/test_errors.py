@@ -1,0 +1,119 @@
+"""Bad input gets a typed error that names the culprit, with a hint."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from analysis import analyze
+from strategies.cli import main
+from tracer import (DataDependentError, InputError, OutOfRangeError, UnsupportedOpError,
+                    UsageError, parse_assignments, parse_input)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 0:  # needs the values
+            return h
+        return -h
+
+
+class Inner(nn.Module):
+    def forward(self, x):
+        return x.nonzero()
+
+
+class Nonzero(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(x).float().sum() + x.sum()
+
+
+@torch.library.custom_op("memsim_test::nofake", mutates_args=())
+def nofake(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+class CustomOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return nofake(self.lin(x)).sum()
+
+
+def test_data_dependent_branch_names_module_and_line():
+    with pytest.raises(DataDependentError) as e:
+        analyze(DataDependent(), {"x": ("float32", ["B", 4])}, device="cpu")
+    assert e.value.module == ""
+    assert e.value.source and "test_errors.py" in e.value.source
+    assert e.value.hint
+
+
+def test_data_dependent_size_names_submodule():
+    with pytest.raises(DataDependentError) as e:
+        analyze(Nonzero(), {"x": ("float32", ["B", 4])}, device="cpu", train=False)
+    assert e.value.module == "inner"
+    assert "nonzero" in str(e.value)
+
+
+def test_op_without_fake_kernel_is_reported():
+    with pytest.raises(UnsupportedOpError) as e:
+        analyze(CustomOp(), {"x": ("float32", ["B", 4])}, device="cpu")
+    assert "memsim_test.nofake" in str(e.value) or "memsim_test::nofake" in str(e.value)
+    assert "register_fake" in e.value.hint
+
+
+def test_misspelled_input_lists_forward_parameters():
+    with pytest.raises(InputError) as e:
+        analyze(nn.Linear(4, 4), {"inputs": ("float32", ["B", 4])}, device="cpu")
+    assert "'input'" in str(e.value) and "forward takes: input" in str(e.value)
+
+
+def test_missing_input():
+    class Two(nn.Module):
+        def forward(self, a, b):
+            return a + b
+    with pytest.raises(InputError, match="needs 'b'"):
+        analyze(Two(), {"a": ("float32", ["B"])}, device="cpu")
+
+
+@pytest.mark.parametrize("bad", ["x", "x=float32", "x=float32[B", "=float32[B]",
+                                 "x=nosuchtype[B]", "x=float32[B-1]"])
+def test_malformed_input(bad):
+    with pytest.raises(UsageError):
+        parse_input(bad)
+
+
+@pytest.mark.parametrize("bad", ["B", "B=", "B=x", "=4", "B=4;S=2", ""])
+def test_malformed_at(bad):
+    with pytest.raises(UsageError):
+        parse_assignments(bad)
+
+
+def test_out_of_range_point_says_so():
+    r = analyze(nn.Linear(4, 4), {"input": ("float32", ["B", 4])}, device="cpu")
+    with pytest.raises(OutOfRangeError, match="B=1"):
+        r.at(B=1)
+    with pytest.raises(InputError, match="lacks B"):
+        r.at(S=3)
+
+
+def test_cli_usage_errors_exit_2(capsys):
+    assert main(["analyze", "nosuchfile.py:model", "--input", "x=float32[B,4]"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["analyze", "torch.nn:Linear", "--input", "x=float32[B"]) == 2
+    assert "malformed --input" in capsys.readouterr().err
+    assert main(["analyze", "tests.zoo:MLP", "--input", "x=float32[B,16]", "--at", "B"]) == 2
+    assert "malformed --at" in capsys.readouterr().err
+    assert main(["analyze", "tests.zoo:MLP", "--input", "x=float32[B,16]",
+                 "--optimizer", "Adamm"]) == 2
+    assert "unknown --optimizer" in capsys.readouterr().err

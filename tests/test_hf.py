@@ -1,0 +1,41 @@
+"""Hugging Face GPT-2 and Llama from small configs: prediction == real eager CPU run."""
+
+import pytest
+
+from conftest import grid
+from oracle import check, predict
+
+T = pytest.importorskip("transformers")
+
+LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
+
+
+def gpt2():
+    return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                          n_positions=64, bos_token_id=0, eos_token_id=0))
+
+
+def llama():
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory", [gpt2, llama], ids=["gpt2", "llama"])
+def test_causal_lm_matches_real_run(factory):
+    report = predict(factory, LM)
+    assert report.ranges["S"] == (2, 64)  # the model's own position limit
+    check(report, factory, LM, grid(B=(2, 3, 5), S=(4, 9, 16)))
+
+
+@pytest.mark.slow
+def test_gpt2_eager_attention_with_padding_mask():
+    """A padded attention mask: HF materializes the (B, 1, S, S) mask in the real run too."""
+    def factory():
+        m = gpt2()
+        m.config._attn_implementation = "eager"
+        return m
+    inputs = dict(LM, attention_mask=("int64", ["B", "S"]))
+    report = predict(factory, inputs)
+    check(report, factory, inputs, grid(B=(2, 4), S=(3, 8, 17)))

@@ -1,0 +1,51 @@
+"""Kernel choices of a CUDA run, reproduced while the fake tensors live on the CPU.
+
+Autograd cannot run fake CUDA tensors in a CPU build of torch, so every run uses fake CPU
+tensors; this module switches the few ops whose CUDA kernel keeps different memory.
+
+- ``F.scaled_dot_product_attention``: on CUDA, torch picks flash attention (fp16/bf16) or
+  memory-efficient attention (fp32, or with a mask), both of which save the output and a
+  float32 log-sum-exp of shape (B, H, S) for backward, dropout included (they regenerate the
+  mask from a seed). A CPU run takes the math path with dropout and keeps the (B, H, S, S)
+  probabilities. Here the call is routed to the CPU flash kernel, whose saved tensors are the
+  output and the (B, H, S) float32 log-sum-exp, like CUDA's. Not yet measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_SDPA = F.scaled_dot_product_attention
+
+
+class _CudaKernels(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            out = _flash_like(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _flash_like(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+    """The fused-attention kernel CUDA would run, or None to leave the call as it is."""
+    if enable_gqa and key.size(-3) != query.size(-3):
+        return None
+    if attn_mask is not None:
+        return None  # memory-efficient attention on CUDA; the CPU kernel takes no such mask here
+    out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, scale=scale)
+    return out
+
+
+@contextlib.contextmanager
+def cuda_kernels():
+    """Inside: ops whose CUDA kernels keep different memory run as on CUDA (see module doc)."""
+    with _CudaKernels():
+        yield
