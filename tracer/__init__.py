@@ -157,7 +157,29 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
             cache[e] = _in_range(sympy.expand(shape_env.replace(e).xreplace(to_user)), user, ranges)
         s.nbytes = cache[e]
         _check_backed(s, run)
+    _map_shapes(run, lambda e: shape_env.replace(e).xreplace(to_user))
     return Trace(run, user, hint_map, device, train, ranges, guards)
+
+
+def _map_shapes(run: RunRecord, fn) -> None:
+    """Rewrite every recorded output shape into the user's symbols (records are frozen)."""
+    from dataclasses import replace
+
+    cache: dict = {}
+
+    def dim(d):
+        if d not in cache:
+            cache[d] = sympy.expand(fn(d))
+        return cache[d]
+
+    def meta(m):
+        return replace(m, shape=tuple(dim(d) for d in m.shape))
+
+    for i, rec in enumerate(run.ops):
+        if isinstance(rec, LeafRecord):
+            run.ops[i] = replace(rec, meta=meta(rec.meta))
+        else:
+            run.ops[i] = replace(rec, outputs=tuple(meta(m) for m in rec.outputs))
 
 
 def _in_range(expr: sympy.Expr, user: dict, ranges: dict) -> sympy.Expr:
