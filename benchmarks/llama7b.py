@@ -41,15 +41,16 @@ def memtracker_peak(cfg, b: int, s: int) -> tuple[int, float]:
     with FakeTensorMode():
         model = transformers.LlamaForCausalLM(cfg)
         opt = sgd(model.parameters())
-        ids = torch.zeros(b, s, dtype=torch.int64)
         mt = MemTracker()
         mt.track_external(model, opt)
         with mt:
+            ids = torch.zeros(b, s, dtype=torch.int64)     # inside: the inputs count too
+            labels = torch.zeros(b, s, dtype=torch.int64)
             for i in range(2):
                 if i == 1:
                     mt.reset_mod_stats()
                 opt.zero_grad(set_to_none=True)
-                out = model(input_ids=ids, labels=ids)
+                out = model(input_ids=ids, labels=labels)
                 out.loss.backward()
                 opt.step()
         peak = sum(v for k, v in mt.get_tracker_snapshot("peak")[torch.device("cpu")].items()
