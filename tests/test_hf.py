@@ -39,3 +39,13 @@ def test_gpt2_eager_attention_with_padding_mask():
     inputs = dict(LM, attention_mask=("int64", ["B", "S"]))
     report = predict(factory, inputs)
     check(report, factory, inputs, grid(B=(2, 4), S=(3, 8, 17)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory", [gpt2, llama], ids=["gpt2", "llama"])
+def test_without_cache_no_packed_mask(factory):
+    """use_cache=False: HF's packed-sequence check would build a (B,1,S,S) mask under fake
+    tensors that the real run drops (tracer.hf.eager_like keeps them on the same path)."""
+    inputs = dict(LM, use_cache=False)
+    report = predict(factory, inputs)
+    check(report, factory, inputs, grid(B=(2, 3), S=(5, 12, 20)))

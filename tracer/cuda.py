@@ -9,6 +9,8 @@ tensors; this module switches the few ops whose CUDA kernel keeps different memo
   mask from a seed). A CPU run takes the math path with dropout and keeps the (B, H, S, S)
   probabilities. Here the call is routed to the CPU flash kernel, whose saved tensors are the
   output and the (B, H, S) float32 log-sum-exp, like CUDA's. Not yet measured on a GPU.
+- ``F.dropout`` (training, p > 0): CUDA runs ``native_dropout`` and saves a bool mask (1 byte per
+  element); the CPU path saves a float mask (4 bytes). Routed to ``native_dropout``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 _SDPA = F.scaled_dot_product_attention
+_DROPOUT = F.dropout
 
 
 class _CudaKernels(TorchFunctionMode):
@@ -29,7 +32,19 @@ class _CudaKernels(TorchFunctionMode):
             out = _flash_like(*args, **kwargs)
             if out is not None:
                 return out
+        if func is _DROPOUT:
+            out = _native_dropout(*args, **kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
+
+def _native_dropout(input, p=0.5, training=True, inplace=False):
+    """CUDA's dropout kernel (bool mask), or None to leave the call as it is."""
+    if not training or p == 0.0 or inplace:
+        return None
+    out, _mask = torch.native_dropout(input, p, True)
+    return out
 
 
 def _flash_like(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
