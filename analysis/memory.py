@@ -100,9 +100,7 @@ class StepMemory:
         subs = self.check_point(point)
         cand = self.winner(point)
         run = self.trace.run
-        live: set[int] = set()
-        for ev in run.events[: cand.event + 1]:
-            (live.add if ev.sign > 0 else live.discard)(ev.sid)
+        live = _live_at(run, cand.event + 1)
         out = {c.value: 0 for c in Category}
         for sid in live:
             s = run.storages[sid]
