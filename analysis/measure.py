@@ -92,17 +92,17 @@ def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 def example_inputs(inputs: dict, point: dict[str, int], seed: int = 0) -> dict:
     """Concrete tensors for ``{name: (dtype, shape)}`` at ``point``: ints are 0, floats random."""
-    from tracer.spec import parse_dtype
+    from tracer.spec import is_tensor_spec, make_spec
 
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, value in inputs.items():
-        if not (isinstance(value, (tuple, list)) and len(value) == 2
-                and isinstance(value[1], (tuple, list))):
+        if not is_tensor_spec(value):
             out[name] = value
             continue
-        dtype = parse_dtype(value[0])
-        shape = [point[d] if isinstance(d, str) else int(d) for d in value[1]]
+        spec = make_spec(name, value)
+        dtype = spec.dtype
+        shape = [point[d] if isinstance(d, str) else d for d in spec.shape]
         if dtype.is_floating_point:
             out[name] = torch.randn(shape, generator=g).to(dtype)
         elif dtype == torch.bool:

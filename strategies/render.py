@@ -75,6 +75,11 @@ def to_json(report: Report, point: dict[str, int] | None = None) -> dict:
     return doc
 
 
+def _at(point, *cells) -> list:
+    """The "at point" column: its cells when a point is given, else nothing."""
+    return list(cells) if point else []
+
+
 def _range_text(report: Report) -> str:
     parts = []
     for n, (lo, hi) in report.ranges.items():
@@ -94,11 +99,11 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8) -
         for f in TRAIN_FIELDS:
             expr = getattr(t, f)
             val = t.evaluate(expr, point) if point else None
-            rows.append([LABELS[f], short(expr)] + ([human(val)] if point else []))
-        out += ["", "Training step", tabulate(rows, headers=["", "formula (bytes)"]
-                                              + (["at point"] if point else []))]
+            rows.append([LABELS[f], short(expr)] + _at(point, human(val)))
+        out += ["", "Training step",
+                tabulate(rows, headers=["", "formula (bytes)"] + _at(point, "at point"))]
         changes = {n: t.regimes(n, point) for n in report.symbols} if point else {}
-        shown = t.candidates
+        shown, win = t.candidates, None
         if point:
             win = t.winner(point)
             keep = {id(win)} | {id(c) for ch in changes.values() for _, c in ch}
@@ -107,14 +112,13 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8) -
             rows = []
             for c in shown:
                 val = t.evaluate(c.expr, point) if point else None
-                rows.append(["*" if point and c is win else "", formula(c.expr), str(c.label)]
-                            + ([human(val)] if point else []))
+                rows.append(["*" if c is win else "", formula(c.expr), str(c.label)]
+                            + _at(point, human(val)))
             more = len(t.candidates) - len(shown)
             out += ["", f"Peak regimes: the peak is the largest of {len(t.candidates)} "
                         "candidates" + (f"; the {len(shown)} that are largest along some "
                                         "symbol from this point are shown" if more else ""),
-                    tabulate(rows, headers=["", "bytes", "reached at"]
-                             + (["at point"] if point else []))]
+                    tabulate(rows, headers=["", "bytes", "reached at"] + _at(point, "at point"))]
         if point:
             for n, ch in changes.items():
                 if len(ch) > 1:
@@ -122,27 +126,27 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8) -
                         f"from {n}={v}: {c.label}" for v, c in ch))
             bd = t.breakdown(point)
             rows = [[k, human(v)] for k, v in bd.items() if v]
-            out += ["", f"Live at the peak ({t.winner(point).label})",
+            out += ["", f"Live at the peak ({win.label})",
                     tabulate(rows + [["total", human(sum(bd.values()))]],
                              headers=["category", "bytes"])]
     if report.inference is not None:
         i = report.inference
         val = i.evaluate(i.peak, point) if point else None
         out += ["", "Inference (eval, no_grad)",
-                tabulate([["peak", short(i.peak)] + ([human(val)] if point else [])],
-                         headers=["", "formula (bytes)"] + (["at point"] if point else []))]
+                tabulate([["peak", short(i.peak)] + _at(point, human(val))],
+                         headers=["", "formula (bytes)"] + _at(point, "at point"))]
     if report.modules:
         step = report.train
         rows = []
-        mods = [m for m in report.modules if m.path]
+        mods = [(m, step.evaluate(m.saved, point) if point else None)
+                for m in report.modules if m.path]
         if point:
-            mods.sort(key=lambda m: -step.evaluate(m.saved, point))
-        for m in mods[:top]:
-            rows.append([m.path, m.type, formula(m.saved)]
-                        + ([human(step.evaluate(m.saved, point))] if point else []))
+            mods.sort(key=lambda mv: -mv[1])
+        for m, val in mods[:top]:
+            rows.append([m.path, m.type, formula(m.saved)] + _at(point, human(val)))
         out += ["", f"Top modules by bytes saved for backward (inclusive; top {top})",
                 tabulate(rows, headers=["module", "type", "saved (bytes)"]
-                         + (["at point"] if point else []))]
+                         + _at(point, "at point"))]
     if report.other_ops:
         out += ["", "Ops outside ATen (memory from their fake kernels, not checked against a "
                     "real run): " + ", ".join(f"{k} x{v}" for k, v in report.other_ops.items())]

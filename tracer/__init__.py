@@ -26,7 +26,8 @@ from .errors import (
     UsageError,
 )
 from .records import MODEL_STATE, Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage
-from .spec import TensorSpec, make_spec, parse_assignments, parse_input, symbol
+from .spec import (TensorSpec, is_tensor_spec, make_spec, parse_assignments, parse_input,
+                   symbol)
 from .step import LossFn, OptimizerFactory, default_loss, run_step
 
 __all__ = [
@@ -137,9 +138,7 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
         raise InputError(f"expected an nn.Module, got {type(model).__name__}")
     specs, constants = [], {}
     for name, value in inputs.items():
-        if isinstance(value, (TensorSpec, str)) or (
-                isinstance(value, (tuple, list)) and len(value) == 2
-                and isinstance(value[1], (tuple, list))):
+        if is_tensor_spec(value):
             specs.append(make_spec(name, value))
         else:
             constants[name] = value
@@ -151,13 +150,17 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
     to_user = {raw: user[n] for n, raw in table.raw.items()}
     ranges, guards = _validity(shape_env, table, to_user, limits or {}, run.specialized)
     cache: dict = {}
-    for s in run.storages:
-        e = s.nbytes
+
+    def to_user_expr(e: sympy.Expr) -> sympy.Expr:
         if e not in cache:
-            cache[e] = _in_range(sympy.expand(shape_env.replace(e).xreplace(to_user)), user, ranges)
-        s.nbytes = cache[e]
+            cache[e] = _in_range(sympy.expand(shape_env.replace(e).xreplace(to_user)), user,
+                                 ranges)
+        return cache[e]
+
+    for s in run.storages:
+        s.nbytes = to_user_expr(s.nbytes)
         _check_backed(s, run)
-    _map_shapes(run, lambda e: shape_env.replace(e).xreplace(to_user))
+    _map_shapes(run, to_user_expr)
     return Trace(run, user, hint_map, device, train, ranges, guards)
 
 
@@ -165,15 +168,8 @@ def _map_shapes(run: RunRecord, fn) -> None:
     """Rewrite every recorded output shape into the user's symbols (records are frozen)."""
     from dataclasses import replace
 
-    cache: dict = {}
-
-    def dim(d):
-        if d not in cache:
-            cache[d] = sympy.expand(fn(d))
-        return cache[d]
-
     def meta(m):
-        return replace(m, shape=tuple(dim(d) for d in m.shape))
+        return replace(m, shape=tuple(fn(d) for d in m.shape))
 
     for i, rec in enumerate(run.ops):
         if isinstance(rec, LeafRecord):

@@ -83,6 +83,13 @@ class TensorSpec:
         return tuple(d for d in self.shape if isinstance(d, str))
 
 
+def is_tensor_spec(value) -> bool:
+    """True for a tensor input: a ``TensorSpec``, ``"int64[B,S]"`` or ``(dtype, shape)``."""
+    return isinstance(value, (TensorSpec, str)) or (
+        isinstance(value, (tuple, list)) and len(value) == 2
+        and isinstance(value[1], (tuple, list)))
+
+
 def make_spec(name: str, value) -> TensorSpec:
     """Build a spec from ``("int64", ["B", "S"])``, a ``TensorSpec`` or ``"int64[B,S]"``."""
     if isinstance(value, TensorSpec):
