@@ -52,6 +52,9 @@ class Report:
     inference: StepMemory | None
     modules: list[ModuleSaved] = field(default_factory=list)
     other_ops: dict[str, int] = field(default_factory=dict)
+    fixed: dict[str, int] = field(default_factory=dict)
+    _retrace: object = field(default=None, repr=False, compare=False)
+    _specialized: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def ranges(self) -> dict[str, tuple[int, int | None]]:
@@ -66,8 +69,32 @@ class Report:
                 out[n] = (max(lo, plo), min(his) if his else None)
         return out
 
+    def for_point(self, point: dict[str, int]) -> tuple["Report", dict[str, int]]:
+        """The report that covers ``point``, and the point in its symbols.
+
+        A size below a symbol's range (``B = 1`` for a formula valid from ``B >= 2``) takes
+        other paths in PyTorch (size-1 dimensions broadcast, skip copies): that case is traced
+        on its own, with the symbol fixed to its value, once, and that report answers.
+        """
+        below = {}
+        for n, v in point.items():
+            lo = self.ranges.get(n, (2, None))[0]
+            if n in self.symbols and isinstance(v, int) and 0 < v < lo:
+                below[n] = v
+        if not below or self._retrace is None:
+            return self, dict(point)
+        key = tuple(sorted(below.items()))
+        if key not in self._specialized:
+            self._specialized[key] = self._retrace(below)
+        rest = {n: v for n, v in point.items() if n not in below}
+        return self._specialized[key], rest
+
     def at(self, **point: int) -> dict:
-        """Every figure evaluated at ``point`` (plain ints)."""
+        """Every figure evaluated at ``point`` (plain ints); see :meth:`for_point` for sizes
+        below a symbol's range."""
+        report, point = self.for_point(point)
+        if report is not self:
+            return report.at(**point)
         out: dict = {}
         if self.train is not None:
             out["train"] = {f: self.train.evaluate(getattr(self.train, f), point)
@@ -133,4 +160,26 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
     if tr_step is None and inf_step is None:
         raise tracer.InputError("nothing to analyse: both train and inference are off")
     symbols = (tr_step or inf_step).trace.symbols
-    return Report(device, symbols, tr_step, inf_step, modules, other)
+
+    def retrace(fixed: dict[str, int]) -> Report:
+        sub = analyze(model, _fix(inputs, fixed), device=device, train=train,
+                      inference=inference, loss_fn=loss_fn, optimizer=optimizer,
+                      hints={k: v for k, v in (hints or {}).items() if k not in fixed} or None,
+                      keep_outputs=keep_outputs,
+                      limits={k: v for k, v in limits.items() if k not in fixed})
+        sub.fixed = dict(fixed)
+        return sub
+
+    return Report(device, symbols, tr_step, inf_step, modules, other, _retrace=retrace)
+
+
+def _fix(inputs: dict, fixed: dict[str, int]) -> dict:
+    """``inputs`` with the symbols in ``fixed`` replaced by their integer sizes."""
+    out = {}
+    for name, value in inputs.items():
+        if tracer.is_tensor_spec(value):
+            spec = tracer.make_spec(name, value)
+            value = tracer.TensorSpec(spec.name, spec.dtype, tuple(
+                fixed.get(d, d) if isinstance(d, str) else d for d in spec.shape))
+        out[name] = value
+    return out

@@ -1,7 +1,8 @@
 """From a trace to the figures of one step: peak, breakdown, saved activations, per module.
 
 All figures are sympy expressions in the user's symbols (bytes). Only storages on the modelled
-device count (e.g. AdamW's step counters stay on the CPU in a CUDA run).
+device count (e.g. AdamW's step counters stay on the CPU in a CUDA run), each at the size its
+allocator charges (:mod:`analysis.allocator`: 512-byte blocks on CUDA).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sympy
 
 from tracer import MODEL_STATE, Category, OutOfRangeError, Phase, Trace, InputError
 
+from .allocator import block_bytes
 from .peak import Candidate, PolyBasis, as_max, prune, regime_changes, running_peaks
 
 
@@ -105,7 +107,7 @@ class StepMemory:
         for sid in live:
             s = run.storages[sid]
             if s.device == self.trace.device:
-                out[s.category.value] += int(s.nbytes.subs(subs))
+                out[s.category.value] += int(charged(s, self.trace.device).subs(subs))
         return out
 
     def regimes(self, sym: str, point: dict[str, int]) -> list[tuple[int, Candidate]]:
@@ -155,7 +157,8 @@ def step_memory(trace: Trace) -> StepMemory:
     basis = PolyBasis(syms)
     lows = {n: r[0] for n, r in trace.ranges.items()}
     on_dev = [s.device == dev for s in run.storages]
-    sizes = [basis.coeffs(s.nbytes) if ok else None for s, ok in zip(run.storages, on_dev)]
+    charge = [charged(s, dev) for s in run.storages]
+    sizes = [basis.coeffs(c) if ok else None for c, ok in zip(charge, on_dev)]
     evs = [(e.sign, e.sid) for e in run.events]
     label = _label(trace)
 
@@ -168,13 +171,13 @@ def step_memory(trace: Trace) -> StepMemory:
     start_live = _live_at(run, run.start)
 
     def total_of(cat: Category, live: set[int]) -> sympy.Expr:
-        return sympy.Add(*[s.nbytes for s in run.storages
+        return sympy.Add(*[charge[s.sid] for s in run.storages
                            if s.sid in live and on_dev[s.sid] and s.category is cat])
 
     saved = sympy.Integer(0)
     if Phase.LOSS in run.phase_ends:
         at_bwd = _live_at(run, run.phase_ends[Phase.LOSS])
-        saved = sympy.Add(*[s.nbytes for s in run.storages if s.sid in at_bwd and on_dev[s.sid]
+        saved = sympy.Add(*[charge[s.sid] for s in run.storages if s.sid in at_bwd and on_dev[s.sid]
                             and s.saved and s.category is Category.ACTIVATION])
     return StepMemory(
         trace=trace, peak=as_max(total), candidates=total,
@@ -185,6 +188,11 @@ def step_memory(trace: Trace) -> StepMemory:
         optimizer_states=total_of(Category.OPTIMIZER_STATE, start_live),
         saved_activations=sympy.expand(saved),
         activation_peak=as_max(act), activation_candidates=act)
+
+
+def charged(s, device: str) -> sympy.Expr:
+    """Bytes the allocator of ``device`` charges for storage ``s``."""
+    return block_bytes(s.nbytes, device)
 
 
 def _live_at(run, upto: int) -> set[int]:
@@ -209,7 +217,7 @@ def module_savings(trace: Trace, types: dict[str, str]) -> list[ModuleSaved]:
     for s in trace.run.storages:
         if s.saved and s.category is Category.ACTIVATION and s.device == trace.device:
             for m in s.saved_by:
-                acc.setdefault(m, []).append(s.nbytes)
+                acc.setdefault(m, []).append(charged(s, trace.device))
     hint = {sym: trace.hints[n] for n, sym in trace.symbols.items()}
     out = [ModuleSaved(p, types.get(p, ""), sympy.expand(sympy.Add(*v))) for p, v in acc.items()]
     out.sort(key=lambda m: (-int(m.saved.subs(hint)), m.path))

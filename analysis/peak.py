@@ -17,6 +17,7 @@ unevaluated ``Max`` whose arguments are the distinct regimes of the peak.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, Iterable, Sequence
 
 import sympy
@@ -102,45 +103,130 @@ def _shift_monomial(m: sympy.Expr, lows: dict[sympy.Symbol, int]) -> dict[sympy.
     powers = m.as_powers_dict()
     if any(b not in lows for b in powers if b != 1):
         return {("atom", m): 1}
+    return _shift_poly(m, lows)
+
+
+def _shift_poly(p: sympy.Expr, lows: dict[sympy.Symbol, int]) -> dict:
     out: dict = {}
-    shifted = sympy.expand(sympy.Mul(*[(b + lows[b]) ** e for b, e in powers.items() if b != 1]))
+    shifted = sympy.expand(p.xreplace({s: s + lo for s, lo in lows.items()}))
     for mm, c in shifted.as_coefficients_dict().items():
-        out[mm] = out.get(mm, 0) + int(c)
+        if c:
+            out[mm] = out.get(mm, 0) + (int(c) if c.is_Integer else Fraction(int(c.p), int(c.q)))
     return out
+
+
+def _atom_bounds(m: sympy.Expr, lows: dict[sympy.Symbol, int]):
+    """Polynomial bounds ``(lo, hi)`` of a monomial ``symbols * floor/ceiling(p/q)``, or None.
+
+    ``ceiling(p/q)`` lies in ``[p/q, p/q + (q-1)/q]`` and ``floor(p/q)`` in
+    ``[p/q - (q-1)/q, p/q]`` for integer-valued ``p``; the symbols are positive.
+    """
+    atoms = [f for f in sympy.Mul.make_args(m) if f.free_symbols and not (
+        f in lows or f.is_Pow and f.base in lows and f.exp.is_Integer and f.exp > 0)]
+    if len(atoms) != 1 or not isinstance(atoms[0], (sympy.ceiling, sympy.floor)):
+        return None
+    atom = atoms[0]
+    arg = atom.args[0]
+    num, den = arg.as_numer_denom()
+    if not (den.is_Integer and den > 0 and num.is_polynomial(*lows)
+            and all(c.is_Integer for c in sympy.Poly(num, *lows).coeffs())):
+        return None
+    slack = sympy.Rational(int(den) - 1, int(den))
+    rest = m / atom
+    lo, hi = (arg, arg + slack) if isinstance(atom, sympy.ceiling) else (arg - slack, arg)
+    return sympy.expand(rest * lo), sympy.expand(rest * hi)
 
 
 def prune(cands: list[Candidate], symbols: Sequence[sympy.Symbol],
           lows: dict[str, int]) -> list[Candidate]:
-    """Drop every candidate that another is provably >= for all sizes >= ``lows``."""
+    """Drop every candidate that another is provably >= for all sizes >= ``lows``.
+
+    ``a`` dominates ``b`` when the shifted coefficients of ``a - b`` are all >= 0, with any
+    non-polynomial atoms equal in both; or, for atoms ``floor``/``ceiling`` of a polynomial over
+    an integer (the CUDA allocator's block rounding), when ``a``'s lower bound is >= ``b``'s
+    upper bound in the same sense.
+    """
     if not cands:
         return []
     basis = PolyBasis(symbols)
     low = {s: lows.get(s.name, 1) for s in symbols}
     cache: dict = {}
-    shifted = []
+    bounds_cache: dict = {}
+    shifted, los, his = [], [], []
     for c in cands:
         acc: dict = {}
+        lo: dict = {}
+        hi: dict = {}
+        bounded = True
         for m, v in basis.coeffs(c.expr).items():
             if m not in cache:
                 cache[m] = _shift_monomial(m, low)
             for mm, k in cache[m].items():
                 acc[mm] = acc.get(mm, 0) + v * k
+            if not any(isinstance(k, tuple) for k in cache[m]):
+                for mm, k in cache[m].items():
+                    lo[mm] = lo.get(mm, 0) + v * k
+                    hi[mm] = hi.get(mm, 0) + v * k
+                continue
+            if m not in bounds_cache:
+                b = _atom_bounds(m, low)
+                bounds_cache[m] = None if b is None else tuple(_shift_poly(x, low) for x in b)
+            b = bounds_cache[m]
+            if b is None:
+                bounded = False
+                continue
+            for mm, k in b[0 if v > 0 else 1].items():
+                lo[mm] = lo.get(mm, 0) + v * k
+            for mm, k in b[1 if v > 0 else 0].items():
+                hi[mm] = hi.get(mm, 0) + v * k
         shifted.append(acc)
+        los.append(lo if bounded else None)
+        his.append(hi if bounded else None)
     keys = sorted({k for s in shifted for k in s}, key=str)
     exact = [isinstance(k, tuple) for k in keys]
     vecs = [tuple(s.get(k, 0) for k in keys) for s in shifted]
-    order = sorted(range(len(cands)), key=lambda i: (-sum(vecs[i]), cands[i].event))
+    has_atoms = [any(isinstance(k, tuple) for k in s) for s in shifted]
+    bkeys = sorted({k for b in los + his if b for k in b}, key=str)
+    lvec = [tuple(b.get(k, 0) for k in bkeys) if b is not None else None for b in los]
+    hvec = [tuple(b.get(k, 0) for k in bkeys) if b is not None else None for b in his]
+    order = sorted(range(len(cands)), key=lambda i: (
+        -sum(lvec[i] if lvec[i] is not None else vecs[i]), cands[i].event))
 
-    def dominates(a, b) -> bool:
-        return all((x == y) if e else (x >= y) for x, y, e in zip(a, b, exact))
+    def dominates(a: int, b: int) -> bool:
+        if all((x == y) if e else (x >= y) for x, y, e in zip(vecs[a], vecs[b], exact)):
+            return True
+        if not (has_atoms[a] or has_atoms[b]) or lvec[a] is None or hvec[b] is None:
+            return False
+        return all(x >= y for x, y in zip(lvec[a], hvec[b]))
 
     kept: list[int] = []
     for i in order:
-        if any(dominates(vecs[k], vecs[i]) for k in kept):
+        if any(dominates(k, i) for k in kept):
             continue
-        kept = [k for k in kept if not dominates(vecs[i], vecs[k])] + [i]
+        kept = [k for k in kept if not dominates(i, k)] + [i]
     kept.sort(key=lambda i: cands[i].event)
     return [cands[i] for i in kept]
+
+
+def exact_function(expr: sympy.Expr, symbols: Sequence[sympy.Symbol]) -> Callable[..., int]:
+    """``expr`` as a Python function of integer ``symbols`` with exact integer arithmetic.
+
+    ``floor``/``ceiling`` of a polynomial over an integer become integer divisions, so that no
+    float is involved at any size.
+    """
+    def div(kind):
+        def rule(x):
+            num, den = x.as_numer_denom()
+            return kind(num, den)
+        return rule
+
+    e = expr.replace(sympy.ceiling, div(_CDIV)).replace(sympy.floor, div(_FDIV))
+    return sympy.lambdify(list(symbols), e, modules=[
+        {"cdiv": lambda p, q: -((-p) // q), "fdiv": lambda p, q: p // q}, "math"])
+
+
+_CDIV = sympy.Function("cdiv")
+_FDIV = sympy.Function("fdiv")
 
 
 def as_max(cands: Sequence[Candidate]) -> sympy.Expr:
@@ -164,12 +250,14 @@ def regime_changes(cands: Sequence[Candidate], sym: sympy.Symbol, at: dict,
     """
     if not cands:
         return []
-    others = {s: v for s, v in at.items() if s != sym}
-    polys = [sympy.Poly(sympy.expand(c.expr.subs(others)), sym) for c in cands]
+    others = [(s, v) for s, v in at.items() if s != sym]
+    syms = [sym] + [s for s, _ in others]
+    fixed = [v for _, v in others]
+    fns = [exact_function(c.expr, syms) for c in cands]
     top = hi if hi is not None else 2 ** 24
 
     def best(v: int) -> int:
-        vals = [p.eval(v) for p in polys]
+        vals = [f(v, *fixed) for f in fns]
         return max(range(len(vals)), key=lambda k: (vals[k], -cands[k].event))
 
     samples = sorted({lo, top} | {2 ** k for k in range(1, 25) if lo < 2 ** k < top})

@@ -21,7 +21,7 @@ import torch
 from analysis import analyze
 from tracer import InputError, MemsimError, UsageError, parse_assignments, parse_input
 
-from .render import to_json, to_text
+from .render import budget_text, to_json, to_text
 
 
 def load_target(target: str) -> torch.nn.Module:
@@ -66,10 +66,7 @@ def load_target(target: str) -> torch.nn.Module:
     raise InputError(f"{target} is neither an nn.Module, a subclass of it, nor a function")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memsim", description="Training-memory simulator for PyTorch")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("analyze", help="symbolic peak memory of a training step and inference")
+def _add_common(a: argparse.ArgumentParser) -> None:
     a.add_argument("target", help="path/to/file.py:NAME or package.module:NAME")
     a.add_argument("--input", action="append", default=[], metavar="NAME=DTYPE[DIMS]",
                    help="a tensor input, e.g. input_ids=int64[B,S] (repeat per input)")
@@ -78,11 +75,36 @@ def _parser() -> argparse.ArgumentParser:
                    help="whose kernels to model (default cuda)")
     a.add_argument("--hint", metavar="S=64", help="example sizes for the symbolic run")
     a.add_argument("--optimizer", default="AdamW", help="a torch.optim class name (default AdamW)")
+    a.add_argument("--json", action="store_true", help="print the JSON document")
+    b = a.add_argument_group("budget (against a GPU)")
+    b.add_argument("--gpu", metavar="NAME", help="a catalog GPU, e.g. h100-80gb (see 'memsim gpus')")
+    b.add_argument("--memory", metavar="SIZE", help="any capacity instead, e.g. 24GiB or 80GB")
+    b.add_argument("--gpu-file", metavar="FILE", help="extra GPUs, JSON or TOML {key: {name, mib, family}}")
+    b.add_argument("--margin", type=float, default=0.10,
+                   help="safety margin, fraction of the capacity kept free (default 0.10)")
+    b.add_argument("--fragmentation", type=float, default=0.05,
+                   help="allocator reserve, fraction of the allocated peak (default 0.05)")
+    b.add_argument("--cuda-context", metavar="SIZE",
+                   help="CUDA context size (default: per GPU family, see README)")
+    b.add_argument("--batch-symbol", default="B", help="the batch-size symbol (default B)")
+    b.add_argument("--seq-symbol", default="S", help="the sequence-length symbol (default S)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="memsim", description="Training-memory simulator for PyTorch")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("analyze", help="symbolic peak memory of a training step and inference")
+    _add_common(a)
     g = a.add_mutually_exclusive_group()
     g.add_argument("--train", action="store_true", help="only the training step")
     g.add_argument("--inference", action="store_true", help="only inference")
-    a.add_argument("--json", action="store_true", help="print the JSON document")
     a.add_argument("--top", type=int, default=8, help="modules to list (default 8)")
+    a.add_argument("--check", action="store_true",
+                   help="exit 1 when the step does not fit --gpu/--memory (for CI)")
+    f = sub.add_parser("fit", help="does one training step fit a GPU? exit 0 yes, 1 no")
+    _add_common(f)
+    f.add_argument("--inference", action="store_true", help="check inference instead")
+    sub.add_parser("gpus", help="list the GPU catalog")
     return p
 
 
@@ -99,25 +121,70 @@ def _optimizer(name: str):
     return lambda params: cls(params)
 
 
+def _budget(args, report, point):
+    from analysis.budget import Overheads, plan
+    from analysis.gpus import gpu, load_catalog, parse_memory
+
+    if args.gpu_file:
+        load_catalog(args.gpu_file)
+    if not (args.gpu or args.memory):
+        if getattr(args, "check", False) or args.cmd == "fit":
+            raise UsageError("nothing to check against", hint="give --gpu NAME or --memory SIZE")
+        return None
+    if args.gpu and args.memory:
+        raise UsageError("--gpu and --memory both given", hint="give one capacity")
+    if point is None:
+        raise UsageError("the budget needs a point", hint="give --at with every symbol, "
+                                                          "e.g. --at B=4,S=2048")
+    device = gpu(args.gpu) if args.gpu else None
+    cap = parse_memory(args.memory) if args.memory else None
+    ctx = parse_memory(args.cuda_context) if args.cuda_context else None
+    return plan(report, point, gpu=device, capacity=cap, margin=args.margin,
+                overheads=Overheads(fragmentation=args.fragmentation, cuda_context=ctx),
+                batch=args.batch_symbol, seq=args.seq_symbol)
+
+
 def run(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "gpus":
+        from .render import gpu_table
+        print(gpu_table())
+        return 0
     if not args.input:
         raise UsageError("no --input given",
                          hint="name each tensor forward takes, e.g. --input input_ids=int64[B,S]")
     specs = [parse_input(s) for s in args.input]
     point = parse_assignments(args.at, "--at") if args.at else None
     hints = parse_assignments(args.hint, "--hint") if args.hint else None
+    if args.gpu_file:
+        from analysis.gpus import load_catalog
+        load_catalog(args.gpu_file)
+        args.gpu_file = None
+    if args.gpu:
+        from analysis.gpus import gpu
+        gpu(args.gpu)  # an unknown name fails before the (slow) trace
+    fit = args.cmd == "fit"
     model = load_target(args.target)
     report = analyze(model, {s.name: s for s in specs}, device=args.device,
-                     train=not args.inference, inference=not args.train,
+                     train=not args.inference, inference=args.inference or not (
+                         fit or getattr(args, "train", False)),
                      optimizer=_optimizer(args.optimizer), hints=hints)
+    budget = _budget(args, report, point)
     if point is not None:
-        report.train and report.train.check_point(point)
-        report.inference and report.inference.check_point(point)
-    if args.json:
-        print(json.dumps(to_json(report, point), indent=2))
+        shown, spoint = report.for_point(point)
+        shown.train and shown.train.check_point(spoint)
+        shown.inference and shown.inference.check_point(spoint)
     else:
-        print(to_text(report, point, top=args.top))
+        shown, spoint = report, None
+    if args.json:
+        print(json.dumps(to_json(shown, spoint, budget=budget), indent=2))
+    elif fit:
+        print(budget_text(budget, report.device))
+    else:
+        print(to_text(shown, spoint, top=args.top, budget=budget, full=report, full_point=point,
+                      seq=args.seq_symbol, batch=args.batch_symbol))
+    if budget is not None and (fit or getattr(args, "check", False)) and not budget.fits:
+        return 1
     return 0
 
 

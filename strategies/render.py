@@ -22,8 +22,8 @@ LABELS = {
 DEVICE_NOTES = {
     "cpu": "CPU kernels as torch picks them on CPU; sizes are live tensor storages",
     "cuda": ("CUDA kernel choices (foreach optimizers, fused attention where modelled); "
-             "sizes are live tensor storages; allocator rounding and CUDA context are not "
-             "included yet"),
+             "sizes are live tensor storages in the caching allocator's 512-byte blocks; "
+             "not checked on a GPU yet"),
 }
 
 
@@ -56,10 +56,20 @@ def _e(step, expr, point) -> dict:
             "bytes": step.evaluate(expr, point) if point is not None else None}
 
 
-def to_json(report: Report, point: dict[str, int] | None = None) -> dict:
+def budget_json(b) -> dict:
+    """The ``"budget"`` section (README, "JSON output")."""
+    return {"gpu": b.gpu.key if b.gpu else None, "capacity": b.capacity, "step": b.step,
+            "allocated": b.allocated, "overhead": dict(b.overhead), "total": b.total,
+            "margin": b.margin, "fits": b.fits, "headroom": round(b.headroom, 6),
+            "dominant": b.dominant, "max_batch": b.max_batch, "max_seq": b.max_seq,
+            "notes": list(b.notes)}
+
+
+def to_json(report: Report, point: dict[str, int] | None = None, budget=None) -> dict:
     """The stable JSON document (see README, "JSON output")."""
+    at = {**report.fixed, **(point or {})}
     doc: dict = {"memsim": VERSION, "device": report.device,
-                 "symbols": list(report.symbols), "at": dict(point) if point else None,
+                 "symbols": list(report.symbols), "at": at or None, "fixed": dict(report.fixed),
                  "ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()}}
     if report.train is not None:
         t = report.train
@@ -72,6 +82,8 @@ def to_json(report: Report, point: dict[str, int] | None = None) -> dict:
     doc["modules"] = [{"path": m.path, "type": m.type, "saved": _e(step, m.saved, point)}
                       for m in report.modules]
     doc["other_ops"] = dict(report.other_ops)
+    if budget is not None:
+        doc["budget"] = budget_json(budget)
     return doc
 
 
@@ -87,12 +99,77 @@ def _range_text(report: Report) -> str:
     return ", ".join(parts) or "(no symbols)"
 
 
-def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8) -> str:
+def _gb(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
+def budget_text(b, device: str) -> str:
+    """The verdict: fits or not, the terms, the headroom and the limits."""
+    what = f"{b.gpu.name} ({b.gpu.mib:,} MiB as reported by the device)" if b.gpu else \
+        f"{b.capacity:,} bytes ({human(b.capacity)})"
+    verdict = "FITS" if b.fits else "DOES NOT FIT"
+    rows = [["allocated by tensors (exact)", human(b.allocated)]]
+    est = {"fragmentation": "allocator reserve (estimate)",
+           "cuda_context": "CUDA context (estimate)",
+           "cublas_workspace": "cuBLAS workspace (estimate)",
+           "comm_buffers": "communication buffers"}
+    for k, v in b.overhead.items():
+        if v or device == "cuda":
+            rows.append([est.get(k, k), human(v)])
+    rows += [["total", human(b.total)],
+             [f"usable ({1 - b.margin:.0%} of capacity)", human(int(b.capacity * (1 - b.margin)))],
+             ["capacity", human(b.capacity)]]
+    out = [f"{b.step} step on {what}: {verdict}; headroom {b.headroom:.1%} of the capacity; "
+           f"largest category at the peak: {b.dominant}",
+           tabulate(rows, headers=["term", "bytes"])]
+    lim = []
+    if b.max_batch is not None:
+        lim.append(f"largest batch that fits: {b.max_batch}")
+    if b.max_seq is not None:
+        lim.append(f"largest sequence that fits: {b.max_seq}")
+    if lim:
+        out.append("; ".join(lim) + " (the other sizes as given; solved from the formula, "
+                                    "checked at the answer and the next size)")
+    out += [f"note: {n}" for n in b.notes]
+    return "\n".join(out)
+
+
+def gpu_table() -> str:
+    """The GPU catalog as a table."""
+    from analysis.gpus import catalog
+    rows = [[g.key, g.name, f"{g.mib:,}", f"{g.bytes / 2 ** 30:.2f}", f"{g.bytes / 1e9:.2f}",
+             g.family, g.source] for g in catalog().values()]
+    return tabulate(rows, headers=["key", "name", "MiB", "GiB", "GB", "family", "capacity source"])
+
+
+def _sweep_text(report, point, b, batch, seq) -> list[str]:
+    from analysis.budget import sweep
+    if seq not in report.symbols:
+        return []
+    batches, seqs, rows = sweep(report, point, gpu=b.gpu, capacity=b.capacity, batch=batch,
+                                seq=seq, overheads=None)
+    usable = int(b.capacity * (1 - b.margin))
+    table = []
+    for bv, row in zip(batches, rows):
+        table.append([bv if bv is not None else "-"] + [
+            _gb(v) + ("" if v <= usable else " x") for v in row])
+    return ["", f"Total memory by {seq} (x: over the usable {human(usable)})",
+            tabulate(table, headers=[batch] + [str(s) for s in seqs])]
+
+
+def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, budget=None,
+            full: Report | None = None, full_point: dict | None = None, batch: str = "B",
+            seq: str = "S") -> str:
     """Readable tables: figures with formulas, the peak's regimes, breakdown, top modules."""
     out = [f"memsim {VERSION} — device modelled: {report.device} "
            f"({DEVICE_NOTES[report.device]})",
            f"formulas in bytes, valid for {_range_text(report)}"
-           + (f"; evaluated at {', '.join(f'{k}={v}' for k, v in point.items())}" if point else "")]
+           + (f"; evaluated at {', '.join(f'{k}={v}' for k, v in {**report.fixed, **point}.items())}"
+              if point is not None else "")]
+    if report.fixed:
+        fixed = ", ".join(f"{k}={v}" for k, v in report.fixed.items())
+        out.append(f"traced on its own with {fixed} fixed (a size below the general formula's "
+                   "range takes other paths in PyTorch)")
     if report.train is not None:
         t = report.train
         rows = []
@@ -153,4 +230,7 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8) -
     guards = sorted({g for s in (report.train, report.inference) if s for g in s.trace.guards})
     if guards:
         out += ["", "Also assumed by the trace: " + "; ".join(guards)]
+    if budget is not None:
+        out += ["", "Budget", budget_text(budget, report.device)]
+        out += _sweep_text(full or report, full_point or point, budget, batch, seq)
     return "\n".join(out)

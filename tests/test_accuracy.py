@@ -49,3 +49,15 @@ def test_dropped_outputs_match():
                      keep_outputs=False, inference=False)
     check(report, zoo.TinyGPT, {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])},
           grid(B=(2, 3), S=(5, 17)), keep_outputs=False)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn_bn_pool", "block_softmax", "tiny_gpt"])
+def test_size_one_is_traced_on_its_own(name):
+    """B = 1 or S = 1 take other paths in PyTorch; report.at retraces them with the size fixed."""
+    factory, inputs, _ = CASES[name]
+    report = predict(factory, inputs)
+    names = list(report.symbols)
+    points = [{n: 1 if n == k else 5 for n in names} for k in names]
+    points.append({n: 1 for n in names})
+    check(report, factory, inputs, points)
+    assert all(k for k in report._specialized)  # the retraces were cached, not repeated

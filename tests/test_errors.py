@@ -100,9 +100,13 @@ def test_malformed_at(bad):
 
 
 def test_out_of_range_point_says_so():
-    r = analyze(nn.Linear(4, 4), {"input": ("float32", ["B", 4])}, device="cpu")
-    with pytest.raises(OutOfRangeError, match="B=1"):
-        r.at(B=1)
+    r = analyze(nn.Linear(4, 4), {"input": ("float32", ["B", 4])}, device="cpu",
+                limits={"B": 8})
+    with pytest.raises(OutOfRangeError, match="B=9"):
+        r.at(B=9)
+    with pytest.raises(OutOfRangeError, match="B=0"):
+        r.at(B=0)
+    assert r.at(B=1)["train"]["peak"] > 0  # traced on its own with B fixed to 1
     with pytest.raises(InputError, match="lacks B"):
         r.at(S=3)
 

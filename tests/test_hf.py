@@ -49,3 +49,9 @@ def test_without_cache_no_packed_mask(factory):
     inputs = dict(LM, use_cache=False)
     report = predict(factory, inputs)
     check(report, factory, inputs, grid(B=(2, 3), S=(5, 12, 20)))
+
+
+@pytest.mark.slow
+def test_batch_of_one_matches_real_run():
+    report = predict(gpt2, LM, inference=False)
+    check(report, gpt2, LM, [{"B": 1, "S": 9}, {"B": 1, "S": 16}, {"B": 3, "S": 1}])

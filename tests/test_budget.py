@@ -1,0 +1,115 @@
+"""The budget: capacities with units, the verdict, and limits solved from the formula.
+
+The limits are checked against real CPU runs: with ``device="cpu"`` every overhead term is 0, so
+the total is the measured peak, and the answer must fit while answer + 1 must not.
+"""
+
+import json
+
+import pytest
+import torch
+
+import zoo
+from analysis.budget import Overheads, plan
+from analysis.gpus import gpu, load_catalog, parse_memory
+from analysis.measure import example_inputs, materialize, measure_train
+from oracle import predict
+from strategies.cli import main
+from tracer import InputError, UsageError
+
+SEQ = {"x": ("float32", ["B", "S", 32])}
+
+
+def _measured_peak(factory, inputs, pt):
+    torch.manual_seed(0)
+    return measure_train(materialize(factory()), example_inputs(inputs, pt)).peak
+
+
+@pytest.mark.parametrize("solve", ["B", "S"])
+def test_limits_fit_and_next_size_does_not_real_run(solve):
+    report = predict(zoo.Block, SEQ, inference=False)
+    point = {"B": 3, "S": 12}
+    # a capacity that the real run at the target size just exceeds
+    target = {**point, solve: 9}
+    cap = _measured_peak(zoo.Block, SEQ, target) - 1
+    b = plan(report, point, capacity=cap, margin=0.0)
+    ans = b.max_batch if solve == "B" else b.max_seq
+    assert ans == 8
+    assert _measured_peak(zoo.Block, SEQ, {**point, solve: ans}) <= cap
+    assert _measured_peak(zoo.Block, SEQ, {**point, solve: ans + 1}) > cap
+    assert b.overhead == {"fragmentation": 0, "cuda_context": 0, "cublas_workspace": 0,
+                          "comm_buffers": 0}  # CPU: no CUDA terms
+    assert b.total == b.allocated == report.at(**point)["train"]["peak"]
+
+
+def test_limit_below_the_formula_range_uses_the_size_one_trace():
+    report = predict(zoo.MLP, {"x": ("float32", ["B", 16])}, inference=False)
+    one = report.at(B=1)["train"]["peak"]
+    b = plan(report, {"B": 4}, capacity=one, margin=0.0)
+    assert b.max_batch == 1 and not b.fits
+    b = plan(report, {"B": 4}, capacity=one - 1, margin=0.0)
+    assert b.max_batch == 0
+
+
+def test_margin_headroom_and_overheads_on_cuda():
+    with torch.device("meta"):
+        m = zoo.Block()
+    from analysis import analyze
+    r = analyze(m, SEQ, device="cuda", inference=False)
+    h100 = gpu("H100 80GB")
+    b = plan(r, {"B": 4, "S": 64}, gpu=h100, overheads=Overheads(cuda_context=100 * 2 ** 20))
+    assert b.capacity == 81559 * 2 ** 20
+    assert b.overhead["cuda_context"] == 100 * 2 ** 20
+    assert b.overhead["cublas_workspace"] == 32 * 2 ** 20  # Hopper default
+    assert b.overhead["fragmentation"] == int(b.allocated * 0.05)
+    assert b.total == b.allocated + sum(b.overhead.values())
+    assert b.fits and b.headroom == pytest.approx((b.capacity - b.total) / b.capacity)
+    assert b.max_seq is not None and b.max_batch is not None
+
+
+def test_units_are_explicit():
+    assert parse_memory("24GiB") == 24 * 2 ** 30
+    assert parse_memory("80GB") == 80 * 10 ** 9
+    assert parse_memory("1.5 MiB") == 1572864
+    for bad in ("24", "24 gigs", "GiB"):
+        with pytest.raises(UsageError, match="malformed memory size"):
+            parse_memory(bad)
+
+
+def test_unknown_gpu_lists_closest_first():
+    with pytest.raises(UsageError) as e:
+        gpu("h100-80")
+    assert e.value.hint.split(": ", 1)[1].startswith("h100")
+
+
+def test_catalog_file(tmp_path):
+    f = tmp_path / "gpus.toml"
+    f.write_text('[my-gpu]\nname = "My GPU"\nmib = 1000\nfamily = "ada"\n')
+    load_catalog(str(f))
+    assert gpu("my-gpu").bytes == 1000 * 2 ** 20
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"x": {"name": "no size"}}')
+    with pytest.raises(InputError, match="needs at least 'mib'"):
+        load_catalog(str(bad))
+
+
+ARGS = ["examples/nanogpt_block.py:small", "--input", "x=float32[B,S,64]", "--device", "cpu",
+        "--at", "B=2,S=8"]
+
+
+def test_cli_budget_json_and_fit_exit_codes(capsys):
+    assert main(["analyze", *ARGS, "--memory", "1GiB", "--json", "--train"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    b = doc["budget"]
+    assert set(b) >= {"gpu", "capacity", "total", "overhead", "fits", "headroom", "max_batch",
+                      "max_seq"}
+    assert b["gpu"] is None and b["capacity"] == 2 ** 30 and b["fits"] is True
+    assert b["total"] == doc["train"]["peak"]["bytes"]  # CPU: no overhead terms
+    assert main(["fit", *ARGS, "--memory", "512KiB"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["fit", *ARGS, "--memory", "1GiB"]) == 0
+    assert main(["fit", *ARGS]) == 2  # nothing to check against
+    assert main(["fit", *ARGS, "--gpu", "nosuchgpu"]) == 2
+    assert "unknown GPU" in capsys.readouterr().err
+    assert main(["gpus"]) == 0
+    assert "143,771" in capsys.readouterr().out
