@@ -180,6 +180,6 @@ def _fix(inputs: dict, fixed: dict[str, int]) -> dict:
         if tracer.is_tensor_spec(value):
             spec = tracer.make_spec(name, value)
             value = tracer.TensorSpec(spec.name, spec.dtype, tuple(
-                fixed.get(d, d) if isinstance(d, str) else d for d in spec.shape))
+                fixed.get(d, d) if isinstance(d, str) else d for d in spec.shape), spec.fill)
         out[name] = value
     return out

@@ -9,7 +9,8 @@
   ``allocated`` (default 5%). An estimate.
 - ``cuda_context``: the CUDA context, kernels and driver state outside PyTorch's allocator; a
   default per GPU family, overridable. An estimate.
-- ``cublas_workspace``: the workspaces cuBLAS/cuBLASLt keep per handle. An estimate.
+- ``cublas_workspace``: the workspaces PyTorch gives cuBLAS/cuBLASLt per handle and stream
+  (from the caching allocator, so inside ``memory_allocated``; PyTorch's defaults, one stream).
 - ``comm_buffers``: the communication buffers of a parallel strategy (0 on one device).
 
 With ``device="cpu"`` every overhead term is 0: the budget is then the exact peak, so a CPU run
@@ -26,14 +27,21 @@ from tracer import InputError
 from .gpus import GPU, MiB
 from .peak import exact_function
 
-# CUDA context + loaded kernels with lazy module loading (CUDA >= 11.7), per family. Estimates:
-# see README "Overhead terms" for their sources; override with Overheads(cuda_context=...).
-CONTEXT_MIB = {"volta": 300, "turing": 300, "ampere": 400, "ada": 400, "hopper": 500,
-               "blackwell": 600, "cdna2": 500, "cdna3": 500, "unknown": 500}
-# cuBLAS workspace PyTorch allocates per handle (one per stream in use): 8 MiB before Hopper,
-# 32 MiB from Hopper on (PyTorch's CublasHandlePool defaults); cuBLASLt's is shared with it.
-CUBLAS_MIB = {"hopper": 32, "blackwell": 32}
-CUBLAS_DEFAULT_MIB = 8
+# CUDA context + loaded kernels with lazy module loading (the default since CUDA 12.2), per
+# family: estimates. Measured publicly: 287,047,680 B with lazy loading after one small tensor
+# (pytorch/pytorch PR #86509, GPU not named); "~300 MB" / "around 400 MB" with lazy loading
+# (PyTorch forum answers in pytorch/pytorch #107667, #109888). No per-generation measurement was
+# found: older families take 300 MiB, the rest 400 MiB. Override with Overheads(cuda_context=...).
+CONTEXT_MIB = {"volta": 300, "turing": 300, "ampere": 400, "ada": 400, "hopper": 400,
+               "blackwell": 400, "cdna2": 400, "cdna3": 400, "unknown": 400}
+# cuBLAS workspace PyTorch takes from the caching allocator per (handle, stream)
+# (aten/src/ATen/cuda/CublasHandlePool.cpp): 4096 KiB * 8 = 32 MiB on sm90 (and sm100/sm120 in
+# recent releases), else 4096 KiB * 2 + 16 KiB * 8 = 8,519,680 B; ROCm 32 MiB. Plus cuBLASLt's own
+# workspace, 1024 KiB by default (CUBLASLT_WORKSPACE_SIZE). One stream assumed.
+_LT = 1024 * 1024
+CUBLAS_BYTES = {"hopper": 32 * 2 ** 20 + _LT, "blackwell": 32 * 2 ** 20 + _LT,
+                "cdna2": 32 * 2 ** 20 + _LT, "cdna3": 128 * 2 ** 20 + _LT}
+CUBLAS_DEFAULT_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8 + _LT
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,8 @@ class Overheads:
             return {"cuda_context": 0, "cublas_workspace": 0, "comm_buffers": self.comm_buffers}
         ctx = self.cuda_context if self.cuda_context is not None else CONTEXT_MIB.get(
             family, CONTEXT_MIB["unknown"]) * MiB
-        ws = self.cublas_workspace if self.cublas_workspace is not None else CUBLAS_MIB.get(
-            family, CUBLAS_DEFAULT_MIB) * MiB
+        ws = self.cublas_workspace if self.cublas_workspace is not None else CUBLAS_BYTES.get(
+            family, CUBLAS_DEFAULT_BYTES)
         return {"cuda_context": ctx, "cublas_workspace": ws, "comm_buffers": self.comm_buffers}
 
 

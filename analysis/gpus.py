@@ -1,8 +1,11 @@
 """The GPU catalog: capacities as the devices report them, and sizes with explicit units.
 
-Capacities are ``memory.total`` as ``nvidia-smi`` prints it (MiB), or the total memory PyTorch
-reports for AMD devices (one GCD of an MI250X is one PyTorch device). Each entry names its
-source. The catalog is user-extensible with one call (:func:`register_gpu`) or a JSON/TOML file
+Capacities are ``memory.total`` as ``nvidia-smi`` prints it (MiB) with current drivers (older
+drivers showed about 1.5% less: T4 15,109, A100-40GB 40,536 MiB), or ``rocm-smi``'s VRAM total
+for AMD devices (one GCD of an MI250X is one PyTorch device). Each entry names its source; the
+values were collected from device outputs pasted in public issues (README, "GPU catalog").
+PyTorch itself sees a little less (``torch.cuda.get_device_properties().total_memory``: H100
+about 81,082 MiB of 81,559): the CUDA context term of the budget stands for that and more. The catalog is user-extensible with one call (:func:`register_gpu`) or a JSON/TOML file
 (:func:`load_catalog`, e.g. ``memsim analyze ... --gpu-file my_gpus.toml``)::
 
     [my-a800]                  # TOML: one table per GPU
@@ -159,8 +162,8 @@ for _k, _n, _mib, _fam, _al, _src in [
     ("rtx-3090", "GeForce RTX 3090", 24576, "ampere", ("3090",), _NVSMI),
     ("rtx-4090", "GeForce RTX 4090", 24564, "ada", ("4090",), _NVSMI),
     ("rtx-5090", "GeForce RTX 5090", 32607, "blackwell", ("5090",), _NVSMI),
-    ("mi250x", "MI250X (one GCD)", 65536, "cdna2", (), "64 GiB HBM2e per GCD (AMD spec)"),
-    ("mi300x", "MI300X", 196592, "cdna3", (), "192 GB HBM3 (AMD spec)"),
-    ("mi325x", "MI325X", 262144, "cdna3", (), "256 GB HBM3E (AMD spec)"),
+    ("mi250x", "MI250X (one GCD)", 65520, "cdna2", (), "68,702,699,520 B per GCD (device log)"),
+    ("mi300x", "MI300X", 196288, "cdna3", (), "rocm-smi VRAM total 205,822,885,888 B"),
+    ("mi325x", "MI325X", 262144, "cdna3", (), "nominal 256 GiB: no device report found"),
 ]:
     register_gpu(_k, _n, _mib, _fam, "amd" if _fam.startswith("cdna") else "nvidia", _src, _al)

@@ -91,7 +91,8 @@ def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def example_inputs(inputs: dict, point: dict[str, int], seed: int = 0) -> dict:
-    """Concrete tensors for ``{name: (dtype, shape)}`` at ``point``: ints are 0, floats random."""
+    """Concrete tensors for ``{name: (dtype, shape)}`` at ``point``: ints are 0 (an attention
+    mask of zeros takes the padded path), floats random, ``fill="ones"`` ones."""
     from tracer.spec import is_tensor_spec, make_spec
 
     g = torch.Generator().manual_seed(seed)
@@ -103,7 +104,9 @@ def example_inputs(inputs: dict, point: dict[str, int], seed: int = 0) -> dict:
         spec = make_spec(name, value)
         dtype = spec.dtype
         shape = [point[d] if isinstance(d, str) else d for d in spec.shape]
-        if dtype.is_floating_point:
+        if spec.fill == "ones":
+            out[name] = torch.ones(shape, dtype=dtype)
+        elif dtype.is_floating_point:
             out[name] = torch.randn(shape, generator=g).to(dtype)
         elif dtype == torch.bool:
             out[name] = torch.ones(shape, dtype=dtype)

@@ -121,3 +121,11 @@ def test_cli_usage_errors_exit_2(capsys):
     assert main(["analyze", "tests.zoo:MLP", "--input", "x=float32[B,16]",
                  "--optimizer", "Adamm"]) == 2
     assert "unknown --optimizer" in capsys.readouterr().err
+
+
+def test_input_fill_parses_and_unknown_fill_is_named():
+    from tracer import parse_input
+    assert parse_input("attention_mask=int64[B,S]:ones").fill == "ones"
+    assert parse_input("attention_mask=int64[B,S]").fill is None
+    with pytest.raises(UsageError, match="unknown fill 'twos'"):
+        parse_input("attention_mask=int64[B,S]:twos")

@@ -55,3 +55,16 @@ def test_without_cache_no_packed_mask(factory):
 def test_batch_of_one_matches_real_run():
     report = predict(gpt2, LM, inference=False)
     check(report, gpt2, LM, [{"B": 1, "S": 9}, {"B": 1, "S": 16}, {"B": 3, "S": 1}])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory", [gpt2, llama], ids=["gpt2", "llama"])
+def test_all_ones_mask_matches_real_run(factory):
+    """attention_mask=...:ones: sdpa drops the (B, 1, S, S) mask as the real run does."""
+    ones = dict(LM, attention_mask=("int64", ["B", "S"], "ones"))
+    report = predict(factory, ones)
+    check(report, factory, ones, grid(B=(2, 3), S=(5, 16)))
+    padded = predict(factory, dict(LM, attention_mask=("int64", ["B", "S"])), inference=False)
+    if factory is llama:  # with a mask Llama also repeats K/V for SDPA: strictly more memory
+        pt = {"B": 3, "S": 16}
+        assert padded.at(**pt)["train"]["peak"] > report.at(**pt)["train"]["peak"]

@@ -80,8 +80,120 @@ def eager_like():
         mu.find_packed_sequence_indices = orig
 
 
+@contextlib.contextmanager
+def all_ones_mask():
+    """Make Hugging Face take the path a real run takes with an attention mask of all ones.
+
+    With sdpa, ``masking_utils.sdpa_mask`` asks ``_ignore_causal_mask_sdpa`` whether the mask
+    can be dropped (then SDPA runs with ``is_causal=True`` and no (B, 1, S, S) mask exists). A
+    real run decides with ``fast_all(mask)``; on a FakeTensor ``is_tracing(mask)`` is True and
+    the answer is always "keep the mask", which is right for padded batches only. Here, for fake
+    masks only, the same tensors are computed (the sums and comparisons of ``fast_all``, the
+    ``.all()``) and the answer an all-ones mask gives is returned. ``prepare_padding_mask`` is
+    wrapped to remember how many leading columns are ones when zero columns are appended, so
+    that the answer stays right for longer key/value lengths. The eager implementation always
+    builds the mask and is unaffected. Proven against real runs in ``tests/test_hf.py``.
+    """
+    try:
+        from transformers import masking_utils as mu
+    except ImportError:
+        yield
+        return
+    names = ("prepare_padding_mask", "_ignore_causal_mask_sdpa",
+             "_ignore_bidirectional_mask_sdpa")
+    if not all(hasattr(mu, n) for n in names):
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils.weak import WeakTensorKeyDictionary
+
+    orig = {n: getattr(mu, n) for n in names}
+    ones_cols = WeakTensorKeyDictionary()  # fake padding mask -> leading all-ones columns
+
+    def ours(t) -> bool:
+        return (isinstance(t, FakeTensor) and not mu.is_tracing()
+                and not mu.is_torchdynamo_exporting())
+
+    def ones(t):
+        return ones_cols.get(t, t.shape[-1])
+
+    def computed(value, answer: bool) -> bool:
+        """``value`` is the tensor a real run reads (computed here, not read): ``answer``."""
+        del value
+        return answer
+
+    def prepare_padding_mask(attention_mask, kv_length, kv_offset):
+        out = orig["prepare_padding_mask"](attention_mask, kv_length, kv_offset)
+        if ours(attention_mask):
+            ones_cols[out] = ones(attention_mask)
+        return out
+
+    def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                                 local_attention_size=None):
+        if not ours(padding_mask):
+            return orig["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset,
+                                                    kv_offset, local_attention_size)
+        n_ones = ones(padding_mask)
+        if padding_mask.shape[-1] > kv_length:
+            idx = torch.arange(kv_length, device=padding_mask.device) + kv_offset
+            padding_mask = padding_mask[:, idx]
+            n_ones = torch.sym_max(0, torch.sym_min(n_ones - kv_offset, kv_length))
+        width = padding_mask.shape[-1]
+        if isinstance(q_offset, torch.Tensor) and mu.is_tracing(q_offset):
+            return False
+        if local_attention_size is not None and kv_length >= local_attention_size:
+            return False
+        if (q_length == 1 or kv_length == q_length) and computed(
+                mu.fast_all(padding_mask), n_ones >= width):
+            return True
+        if q_offset == 0 and (
+                computed(mu.fast_all(padding_mask[:, :q_length]),
+                         n_ones >= torch.sym_min(q_length, width))
+                and computed(mu.fast_all(~padding_mask[:, q_length:]), n_ones <= q_length)):
+            return True
+        return False
+
+    def _ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
+        if not ours(padding_mask):
+            return orig["_ignore_bidirectional_mask_sdpa"](padding_mask, kv_length,
+                                                           local_attention_size)
+        local_ok = local_attention_size is None or kv_length < local_attention_size
+        return computed(padding_mask.all(), ones(padding_mask) >= padding_mask.shape[-1]) \
+            and local_ok
+
+    new = {"prepare_padding_mask": prepare_padding_mask,
+           "_ignore_causal_mask_sdpa": _ignore_causal_mask_sdpa,
+           "_ignore_bidirectional_mask_sdpa": _ignore_bidirectional_mask_sdpa}
+    for n, f in new.items():
+        setattr(mu, n, f)
+    try:
+        yield
+    finally:
+        for n, f in orig.items():
+            setattr(mu, n, f)
+
+
+def _ones_masks(inputs: dict) -> bool:
+    for name, value in inputs.items():
+        if "mask" in name:
+            try:
+                if make_spec(name, value).fill == "ones":
+                    return True
+            except Exception:  # noqa: BLE001 - the tracer reports malformed inputs itself
+                continue
+    return False
+
+
 def adapt(model: torch.nn.Module, inputs: dict):
     """``(patches, limits)`` for ``model``: a context-manager factory (or None) and size limits."""
     if not is_hf(model):
         return None, {}
-    return eager_like, limits(model, inputs)
+    if not _ones_masks(inputs):
+        return eager_like, limits(model, inputs)
+
+    @contextlib.contextmanager
+    def patches():
+        with eager_like(), all_ones_mask():
+            yield
+
+    return patches, limits(model, inputs)

@@ -43,3 +43,37 @@ def _constant_pad(recorder, func, args, kwargs):
     out = torch.full(shape, value if value is not None else 0, dtype=x.dtype, device=x.device)
     out[tuple(dst)] = x[tuple(src)]
     return out
+
+
+def _expr(x):
+    node = getattr(x, "node", None)
+    return node.expr if node is not None else x
+
+
+def _covers(start, end, step, size) -> bool:
+    """True when ``[start:end:step]`` provably keeps all of a dimension of ``size``."""
+    import sympy
+    s, e, st, n = (_expr(v) for v in (start, end, step, size))
+    if s is not None and sympy.sympify(s) != 0 or st is not None and sympy.sympify(st) != 1:
+        return False
+    if e is None or (isinstance(e, int) and e >= 2 ** 62):
+        return True
+    diff = sympy.simplify(sympy.sympify(e) - sympy.sympify(n))
+    return diff.is_nonnegative is True
+
+
+@register_rule(aten.slice_backward.default,
+               doc="a slice that keeps the whole dimension (x[:, 0:] with a symbolic size) is "
+                   "an alias in a real run, whose backward allocates nothing")
+def _slice_backward(recorder, func, args, kwargs):
+    """With concrete sizes Python clamps ``x[:, 0:]`` to the size and returns an alias; with
+    symbolic sizes it dispatches ``slice``, whose backward would allocate a zero-filled copy."""
+    names = ("grad_output", "input_sizes", "dim", "start", "end", "step")
+    a = dict(zip(names, args), **kwargs)
+    grad, sizes, dim = a["grad_output"], list(a["input_sizes"]), a["dim"]
+    dim = dim % len(sizes) if sizes else dim
+    if (len(grad.shape) == len(sizes)
+            and all(_expr(g) == _expr(s) for g, s in zip(grad.shape, sizes))
+            and _covers(a["start"], a["end"], a["step"], sizes[dim])):
+        return aten.alias.default(grad)
+    return func(*args, **kwargs)

@@ -70,13 +70,27 @@ def _parse_dim(dim, where: str) -> int | str:
     return text
 
 
+FILLS = ("ones",)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor input: its name (a ``forward`` parameter), dtype and shape."""
+    """One tensor input: its name (a ``forward`` parameter), dtype and shape.
+
+    ``fill="ones"`` says the tensor holds only ones, for code whose path depends on it: a
+    Hugging Face ``attention_mask`` without padding lets the model skip the (B, 1, S, S) mask.
+    Without it an attention mask is taken to hold padding (the larger of the two cases).
+    """
 
     name: str
     dtype: torch.dtype
     shape: tuple[int | str, ...]
+    fill: str | None = None
+
+    def __post_init__(self):
+        if self.fill is not None and self.fill not in FILLS:
+            raise InputError(f"input {self.name!r}: unknown fill {self.fill!r}",
+                             hint=f"use one of {', '.join(FILLS)}, or none")
 
     @property
     def symbols(self) -> tuple[str, ...]:
@@ -86,38 +100,41 @@ class TensorSpec:
 def is_tensor_spec(value) -> bool:
     """True for a tensor input: a ``TensorSpec``, ``"int64[B,S]"`` or ``(dtype, shape)``."""
     return isinstance(value, (TensorSpec, str)) or (
-        isinstance(value, (tuple, list)) and len(value) == 2
+        isinstance(value, (tuple, list)) and len(value) in (2, 3)
         and isinstance(value[1], (tuple, list)))
 
 
 def make_spec(name: str, value) -> TensorSpec:
-    """Build a spec from ``("int64", ["B", "S"])``, a ``TensorSpec`` or ``"int64[B,S]"``."""
+    """Build a spec from ``("int64", ["B", "S"])`` (optionally a third item, the fill), a
+    ``TensorSpec`` or ``"int64[B,S]"`` / ``"int64[B,S]:ones"``."""
     if isinstance(value, TensorSpec):
         return value
     if isinstance(value, str):
         return parse_input(f"{name}={value}")
-    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+    if not (isinstance(value, (tuple, list)) and len(value) in (2, 3)):
         raise InputError(f"input {name!r}: expected (dtype, shape), got {value!r}",
                          hint='e.g. inputs={"input_ids": ("int64", ["B", "S"])}')
-    dtype, shape = value
+    dtype, shape = value[0], value[1]
+    fill = value[2] if len(value) == 3 else None
     where = f"input {name!r}"
-    return TensorSpec(name, parse_dtype(dtype), tuple(_parse_dim(d, where) for d in shape))
+    return TensorSpec(name, parse_dtype(dtype), tuple(_parse_dim(d, where) for d in shape), fill)
 
 
-_INPUT_RE = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*([A-Za-z_][\w.]*)\s*\[([^\]]*)\]\s*$")
+_INPUT_RE = re.compile(
+    r"^\s*([A-Za-z_]\w*)\s*=\s*([A-Za-z_][\w.]*)\s*\[([^\]]*)\]\s*(?::\s*(\w+))?\s*$")
 
 
 def parse_input(text: str) -> TensorSpec:
-    """Parse the CLI form ``name=dtype[d0,d1,...]``."""
+    """Parse the CLI form ``name=dtype[d0,d1,...]`` or ``name=dtype[d0,...]:ones``."""
     m = _INPUT_RE.match(text)
     if not m:
         raise UsageError(f"malformed --input {text!r}",
                          hint="write --input NAME=DTYPE[DIM,...], e.g. --input input_ids=int64[B,S]")
-    name, dtype, dims = m.groups()
+    name, dtype, dims, fill = m.groups()
     parts = [p.strip() for p in dims.split(",")] if dims.strip() else []
     try:
         return TensorSpec(name, parse_dtype(dtype),
-                          tuple(_parse_dim(p, f"--input {text!r}") for p in parts))
+                          tuple(_parse_dim(p, f"--input {text!r}") for p in parts), fill)
     except UsageError:
         raise
     except InputError as e:
