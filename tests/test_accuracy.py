@@ -21,6 +21,8 @@ CASES = {
     "block_dropout": (lambda: zoo.Block(dropout=0.1), SEQ, grid(B=(2, 3, 5), S=(3, 8, 13))),
     "inplace_views": (zoo.InPlaceViews, {"x": ("float32", ["B", "S", 24])},
                       grid(B=(2, 3, 7), S=(2, 5, 11))),
+    "full_slices": (zoo.FullSlices, {"x": ("float32", ["B", "S", 24])},
+                    grid(B=(2, 8), S=(5, 64, 111))),
     "tiny_gpt": (zoo.TinyGPT, {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])},
                  grid(B=(2, 3, 4), S=(4, 9, 33))),
 }

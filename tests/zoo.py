@@ -119,3 +119,19 @@ class InPlaceViews(nn.Module):
         y = self.b(w)
         y.mul_(0.5).add_(x)
         return y.view(-1).sum()
+
+
+class FullSlices(nn.Module):
+    """Slices that keep whole dimensions (``h[:, 0:]``, ``h[..., :n]`` with n the full size), as
+    Hugging Face's LM head does: an alias in a real run, a ``slice`` with symbolic sizes."""
+
+    def __init__(self, d: int = 24):
+        super().__init__()
+        self.d = d
+        self.up = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(2 * d, 16 * d)
+
+    def forward(self, x):
+        h = self.up(x)[:, 0:]
+        h = torch.relu(h)[..., : 2 * self.d]
+        return torch.tanh(self.out(h)[:, 0:])
