@@ -53,6 +53,8 @@ class Report:
     modules: list[ModuleSaved] = field(default_factory=list)
     other_ops: dict[str, int] = field(default_factory=dict)
     fixed: dict[str, int] = field(default_factory=dict)
+    precision: str = "32-true"
+    accumulate: int = 1
     _retrace: object = field(default=None, repr=False, compare=False)
     _specialized: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -111,7 +113,8 @@ def _module_types(model: torch.nn.Module) -> dict[str, str]:
 def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
             train: bool = True, inference: bool = True, loss_fn=None, optimizer=None,
             hints: dict[str, int] | None = None, keep_outputs: bool = True,
-            limits: dict[str, int] | None = None) -> Report:
+            limits: dict[str, int] | None = None, precision: str | None = None,
+            accumulate: int = 1) -> Report:
     """Trace ``model`` and return the symbolic :class:`Report` of a step.
 
     Parameters
@@ -128,8 +131,10 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
     loss_fn : callable, optional
         ``loss_fn(output) -> scalar``; default: ``output.loss``, a scalar output, or the sum of
         the first floating-point tensor of the output.
-    optimizer : callable, optional
-        ``optimizer(params) -> torch.optim.Optimizer``; default AdamW with torch's defaults.
+    optimizer : callable or str, optional
+        ``optimizer(params) -> torch.optim.Optimizer``, or a name of :mod:`tracer.optimizers`
+        (any torch.optim class, ``lion``, ``adamw8bit``, ``paged_adamw8bit``...); default
+        AdamW with torch's defaults.
     hints : dict, optional
         Example sizes for the symbolic run (distinct, >= 2).
     keep_outputs : bool
@@ -137,18 +142,23 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
         training loop does (default True); False drops it once the loss is computed.
     limits : dict, optional
         Upper bounds the model imposes on symbols (Hugging Face limits are found on their own).
+    precision : str, optional
+        ``"32-true"`` (default), ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
+        ``"16-true"`` or ``"bf16-master"`` (see :mod:`tracer.precision`).
+    accumulate : int
+        Micro-batches per optimizer step (gradient accumulation; default 1).
     """
     from tracer import hf
 
     patches, auto_limits = hf.adapt(model, inputs)
     limits = {**auto_limits, **(limits or {})}
-    kw = dict(device=device, hints=hints, limits=limits, patches=patches)
+    kw = dict(device=device, hints=hints, limits=limits, patches=patches, precision=precision)
     tr_step = inf_step = None
     modules: list[ModuleSaved] = []
     other: dict[str, int] = {}
     if train:
         t = trace(model, inputs, train=True, loss_fn=loss_fn, optimizer=optimizer,
-                  keep_outputs=keep_outputs, **kw)
+                  keep_outputs=keep_outputs, accumulate=accumulate, **kw)
         tr_step = step_memory(t)
         modules = module_savings(t, _module_types(model))
         other.update(t.run.other_ops)
@@ -165,12 +175,14 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
         sub = analyze(model, _fix(inputs, fixed), device=device, train=train,
                       inference=inference, loss_fn=loss_fn, optimizer=optimizer,
                       hints={k: v for k, v in (hints or {}).items() if k not in fixed} or None,
-                      keep_outputs=keep_outputs,
+                      keep_outputs=keep_outputs, precision=precision, accumulate=accumulate,
                       limits={k: v for k, v in limits.items() if k not in fixed})
         sub.fixed = dict(fixed)
         return sub
 
-    return Report(device, symbols, tr_step, inf_step, modules, other, _retrace=retrace)
+    return Report(device, symbols, tr_step, inf_step, modules, other,
+                  precision=tracer.precision.precision(precision).name, accumulate=accumulate,
+                  _retrace=retrace)
 
 
 def _fix(inputs: dict, fixed: dict[str, int]) -> dict:

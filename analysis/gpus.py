@@ -106,7 +106,10 @@ def load_catalog(path: str) -> list[GPU]:
     """Register the GPUs of a JSON or TOML file: ``{key: {name, mib, family[, vendor]}}``."""
     try:
         if path.endswith(".toml"):
-            import tomllib
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                raise InputError("TOML GPU files need Python 3.11", hint="use JSON") from None
             with open(path, "rb") as f:
                 data = tomllib.load(f)
         else:

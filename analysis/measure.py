@@ -125,49 +125,103 @@ def _loss(out):
                 if isinstance(t, torch.Tensor) and t.is_floating_point()).sum()
 
 
+_MODES = {  # precision name -> (parameter dtype, autocast dtype, grad scaler, master weights)
+    "32-true": (torch.float32, None, False, False),
+    "bf16-mixed": (torch.float32, torch.bfloat16, False, False),
+    "16-mixed": (torch.float32, torch.float16, True, False),
+    "bf16-true": (torch.bfloat16, None, False, False),
+    "16-true": (torch.float16, None, False, False),
+    "bf16-master": (torch.bfloat16, None, False, True),
+}
+
+
+def _cast_inputs(inputs: dict, dtype) -> dict:
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in inputs.items()}
+
+
 def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimizer=None,
-                  keep_outputs: bool = True) -> Measurement:
-    """Peak live bytes of one real CPU training step (steady state)."""
+                  keep_outputs: bool = True, precision: str = "32-true",
+                  accumulate: int = 1) -> Measurement:
+    """Peak live bytes of one real CPU training step (steady state).
+
+    ``precision`` as Lightning does it: ``*-true`` casts the model and floating inputs,
+    ``*-mixed`` runs forward and loss under CPU autocast (fp16 with a GradScaler),
+    ``bf16-master`` steps fp32 master weights (``tracer.precision.MasterWeights``, the optimizer
+    under test). ``accumulate`` micro-batches (the same inputs) per optimizer step.
+    """
+    from tracer.precision import MasterWeights
+
+    param_dtype, autocast, use_scaler, master = _MODES[precision]
     loss_fn = loss_fn or _loss
+    if param_dtype != torch.float32:
+        model.to(param_dtype)
+        inputs = _cast_inputs(inputs, param_dtype)
     model.train()
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
-    opt = (optimizer or (lambda ps: torch.optim.AdamW(ps)))(params)
+    factory = optimizer or (lambda ps: torch.optim.AdamW(ps))
+    opt = MasterWeights(params, factory) if master else factory(params)
+    # init_scale=1: the measured step is the steady-state one, where no gradient overflows and
+    # the optimizer steps (with 2**16 the small test models overflow and the step is skipped)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if use_scaler else None
+    if scaler is not None:
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()
     c = _Counter()
+    inner = opt.inner if master else opt
+    states = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    if master:
+        states += list(opt.masters)
     with c:
         for t in list(model.parameters()) + list(model.buffers()):
             c.add(t)
         for p in params:
             c.add(p.grad)
-        for st in opt.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    c.add(v)
+        for v in states + (list(opt.main_grads) if master else []):
+            c.add(v)
+        if scaler is not None:
+            c.add(scaler._scale)
+            c.add(scaler._growth_tracker)
         for v in inputs.values():
             if isinstance(v, torch.Tensor):
                 c.add(v)
         c.peak = c.cur
         opt.zero_grad(set_to_none=True)
         before = c.cur
-        out = model(**inputs)
-        loss = loss_fn(out)
-        at_backward = c.cur - before
-        if not keep_outputs:
-            del out
-        loss.backward()
-        opt.step()
+        for _ in range(accumulate):
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                out = model(**inputs)
+                loss = loss_fn(out)
+                if accumulate > 1:
+                    loss = loss / accumulate
+            at_backward = c.cur - before
+            if not keep_outputs:
+                del out
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     c.close()
     n = lambda ts: sum(t.untyped_storage().nbytes() for t in
                        {id(t.untyped_storage()): t for t in ts}.values())
-    states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    return Measurement(c.peak, n(model.parameters()), n(p.grad for p in params if p.grad is not None),
-                       n(states), at_backward)
+    grads = [p.grad for p in params if p.grad is not None]
+    if master:
+        grads += list(opt.main_grads)
+    return Measurement(c.peak, n(model.parameters()), n(grads),
+                       n(states + ([scaler._scale, scaler._growth_tracker] if scaler else [])),
+                       at_backward)
 
 
-def measure_inference(model: torch.nn.Module, inputs: dict) -> int:
+def measure_inference(model: torch.nn.Module, inputs: dict, precision: str = "32-true") -> int:
     """Peak live bytes of one real CPU forward under ``torch.no_grad()`` in eval mode."""
+    param_dtype, autocast, _, _ = _MODES[precision]
+    if param_dtype != torch.float32:
+        model.to(param_dtype)
+        inputs = _cast_inputs(inputs, param_dtype)
     model.eval()
     c = _Counter()
     with c:
@@ -177,7 +231,7 @@ def measure_inference(model: torch.nn.Module, inputs: dict) -> int:
             if isinstance(v, torch.Tensor):
                 c.add(v)
         c.peak = c.cur
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
             out = model(**inputs)
         del out
     c.close()

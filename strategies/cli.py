@@ -74,7 +74,14 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="whose kernels to model (default cuda)")
     a.add_argument("--hint", metavar="S=64", help="example sizes for the symbolic run")
-    a.add_argument("--optimizer", default="AdamW", help="a torch.optim class name (default AdamW)")
+    a.add_argument("--optimizer", default="AdamW",
+                   help="a torch.optim class, or lion, adamw8bit, paged_adamw8bit, lion8bit, "
+                        "sgd-momentum... (default AdamW)")
+    a.add_argument("--precision", default="32-true",
+                   help="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true or bf16-master "
+                        "(default 32-true)")
+    a.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="micro-batches per optimizer step (gradient accumulation, default 1)")
     a.add_argument("--json", action="store_true", help="print the JSON document")
     b = a.add_argument_group("budget (against a GPU)")
     b.add_argument("--gpu", metavar="NAME", help="a catalog GPU, e.g. h100-80gb (see 'memsim gpus')")
@@ -109,16 +116,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _optimizer(name: str):
-    cls = getattr(torch.optim, name, None)
-    if cls is None:
-        lower = {k.lower(): k for k in dir(torch.optim) if isinstance(getattr(torch.optim, k), type)}
-        cls = getattr(torch.optim, lower.get(name.lower(), ""), None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        names = sorted(k for k in dir(torch.optim) if isinstance(getattr(torch.optim, k), type)
-                       and issubclass(getattr(torch.optim, k), torch.optim.Optimizer)
-                       and k != "Optimizer")
-        raise UsageError(f"unknown --optimizer {name!r}", hint=f"use one of {', '.join(names)}")
-    return lambda params: cls(params)
+    from tracer.optimizers import lookup
+    lookup(name)  # an unknown name fails here, before the trace
+    return name
 
 
 def _budget(args, report, point):
@@ -168,7 +168,8 @@ def run(argv: list[str] | None = None) -> int:
     report = analyze(model, {s.name: s for s in specs}, device=args.device,
                      train=not args.inference, inference=args.inference or not (
                          fit or getattr(args, "train", False)),
-                     optimizer=_optimizer(args.optimizer), hints=hints)
+                     optimizer=_optimizer(args.optimizer), hints=hints,
+                     precision=args.precision, accumulate=args.accumulate)
     budget = _budget(args, report, point)
     if point is not None:
         shown, spoint = report.for_point(point)

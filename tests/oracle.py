@@ -29,6 +29,6 @@ def check(report, factory, inputs, points, **kw):
             have = {k: got["train"][k] for k in want}
             assert have == want, f"train at {pt}: predicted {have}, measured {want}"
         if report.inference is not None:
-            mi = measure_inference(real, x)
+            mi = measure_inference(real, x, kw.get("precision", "32-true"))
             assert got["inference"]["peak"] == mi, \
                 f"inference at {pt}: predicted {got['inference']['peak']}, measured {mi}"

@@ -28,6 +28,7 @@ from .errors import (
 from .records import MODEL_STATE, Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage
 from .spec import (TensorSpec, is_tensor_spec, make_spec, parse_assignments, parse_input,
                    symbol)
+from . import precision  # noqa: F401  (tracer.precision: the precision modes)
 from .step import LossFn, OptimizerFactory, default_loss, run_step
 
 __all__ = [
@@ -115,7 +116,8 @@ def _pretty_bound(v) -> int | None:
 def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: str = "cuda",
           loss_fn: LossFn | None = None, optimizer: OptimizerFactory | None = None,
           hints: dict[str, int] | None = None, keep_outputs: bool = True,
-          limits: dict[str, int] | None = None, patches=None) -> Trace:
+          limits: dict[str, int] | None = None, patches=None, precision=None,
+          accumulate: int = 1) -> Trace:
     """Run ``model`` symbolically and return its :class:`Trace`.
 
     Parameters
@@ -131,6 +133,10 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
         The device whose kernels and allocator are modelled.
     limits : dict of str to int, optional
         Upper bounds of symbols that the model imposes (e.g. ``{"S": n_positions}``).
+    precision : str, optional
+        A mode of :mod:`tracer.precision` (default ``"32-true"``).
+    accumulate : int
+        Micro-batches per optimizer step (gradient accumulation).
     """
     if device not in DEVICES:
         raise InputError(f"unknown device {device!r}", hint=f"use one of {', '.join(DEVICES)}")
@@ -143,9 +149,12 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
         else:
             constants[name] = value
     hint_map = _hints(specs, hints)
+    if isinstance(optimizer, str):
+        optimizer = optimizer_factory(optimizer)
     run, shape_env, table = run_step(model, specs, device=device, hints=hint_map, train=train,
                                      loss_fn=loss_fn, optimizer=optimizer, constants=constants,
-                                     keep_outputs=keep_outputs, patches=patches)
+                                     keep_outputs=keep_outputs, patches=patches,
+                                     precision=precision, accumulate=accumulate)
     user = {n: symbol(n) for n in table.raw}
     to_user = {raw: user[n] for n, raw in table.raw.items()}
     ranges, guards = _validity(shape_env, table, to_user, limits or {}, run.specialized)
@@ -162,6 +171,20 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
         _check_backed(s, run)
     _map_shapes(run, to_user_expr)
     return Trace(run, user, hint_map, device, train, ranges, guards)
+
+
+def optimizer_factory(name: str) -> OptimizerFactory:
+    """The factory for an optimizer name (:mod:`tracer.optimizers`)."""
+    from .optimizers import lookup
+
+    entry = lookup(name)
+
+    def make(params):
+        opt = entry.factory(params)
+        opt._memsim_host_state = entry.host_state
+        return opt
+
+    return make
 
 
 def _map_shapes(run: RunRecord, fn) -> None:

@@ -11,12 +11,28 @@ from .rules import register_rule
 aten = torch.ops.aten
 
 
+def _from_grad_scaler() -> bool:
+    """True when the innermost torch.amp / torch.optim frame calling is the GradScaler's."""
+    import sys
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename.replace("\\", "/")
+        if "/torch/amp/" in name or "/torch/optim/" in name:
+            return name.endswith("grad_scaler.py")
+        f = f.f_back
+    return False
+
+
 @register_rule(aten._local_scalar_dense.default,
-               doc="optimizer step counters read with .item(): value 1, memory never depends on it")
+               doc="optimizer step counters read with .item(): value 1; GradScaler's found_inf: "
+                   "0 (no overflow, the step runs); memory never depends on them")
 def _local_scalar(recorder, func, args, kwargs):
-    """``.item()``: allowed only in the optimizer, where it reads the step count."""
+    """``.item()``: allowed only in the optimizer, where it reads the step count (or the
+    GradScaler's overflow flag: the steady-state step has none)."""
     if recorder.phase is Phase.OPTIMIZER or recorder.phase is Phase.SETUP:
         t = args[0]
+        if _from_grad_scaler():
+            return 0.0 if t.is_floating_point() else 0
         return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
     raise DataDependentError(
         "the model reads a tensor value with .item() / bool() / int(), which a symbolic run "
@@ -77,3 +93,40 @@ def _slice_backward(recorder, func, args, kwargs):
             and _covers(a["start"], a["end"], a["step"], sizes[dim])):
         return aten.alias.default(grad)
     return func(*args, **kwargs)
+
+
+@register_rule(aten.native_layer_norm.default,
+               doc="bf16/fp16 input with fp32 weight (autocast): mean and rstd are fp32 in the "
+                   "real kernel; the fake kernel makes them the input dtype")
+def _layer_norm(recorder, func, args, kwargs):
+    """``native_layer_norm(x, shape, w, b, eps)``: fp32 statistics for mixed dtypes."""
+    x = args[0]
+    w = args[2] if len(args) > 2 else kwargs.get("weight")
+    if not (x.dtype in (torch.bfloat16, torch.float16) and w is not None
+            and w.dtype == torch.float32):
+        return func(*args, **kwargs)
+    n = len(args[1])
+    stat = list(x.shape[: x.dim() - n]) + [1] * n
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(stat, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(stat, dtype=torch.float32, device=x.device)
+    return out, mean, rstd
+
+
+@register_rule(aten.native_batch_norm.default,
+               doc="bf16/fp16 input with fp32 weight (autocast), training: save_mean and "
+                   "save_invstd are fp32 in the real kernel; the fake kernel makes them the "
+                   "input dtype")
+def _batch_norm(recorder, func, args, kwargs):
+    """``native_batch_norm(x, w, b, running_mean, running_var, training, momentum, eps)``."""
+    names = ("input", "weight", "bias", "running_mean", "running_var", "training")
+    a = dict(zip(names, args), **kwargs)
+    x, w = a["input"], a.get("weight")
+    if not (a.get("training") and x.dtype in (torch.bfloat16, torch.float16) and w is not None
+            and w.dtype == torch.float32):
+        return func(*args, **kwargs)
+    c = x.shape[1]
+    out = torch.empty_like(x)
+    mean = torch.empty((c,), dtype=torch.float32, device=x.device)
+    invstd = torch.empty((c,), dtype=torch.float32, device=x.device)
+    return out, mean, invstd

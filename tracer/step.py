@@ -163,10 +163,11 @@ def module_tracking(model: torch.nn.Module, recorder: Recorder):
 
 
 @contextlib.contextmanager
-def fake_module(model: torch.nn.Module, device: str):
+def fake_module(model: torch.nn.Module, device: str, dtype: torch.dtype | None = None):
     """Swap every parameter and buffer of ``model`` for a fake one on ``device``; restore after.
 
-    Must be entered inside the ``FakeTensorMode``. Tied parameters stay tied.
+    Must be entered inside the ``FakeTensorMode``. Tied parameters stay tied. ``dtype`` casts
+    the floating ones, as ``model.to(dtype)`` would.
     """
     saved: list[tuple[dict, str, Any]] = []
     memo: dict[int, torch.Tensor] = {}
@@ -178,7 +179,8 @@ def fake_module(model: torch.nn.Module, device: str):
                         continue
                     saved.append((table, name, t))
                     if id(t) not in memo:
-                        new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                        dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                        new = torch.empty(t.shape, dtype=dt, device=device)
                         if is_param:
                             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
                         memo[id(t)] = new
@@ -214,8 +216,10 @@ def check_inputs(model: torch.nn.Module, names: list[str]) -> None:
 
 
 def make_inputs(specs: list[TensorSpec], shape_env: ShapeEnv, hints: dict[str, int],
-                device: str) -> tuple[dict[str, torch.Tensor], SymbolTable]:
-    """Create fake input tensors with one ShapeEnv symbol per user symbol name."""
+                device: str, float_dtype: torch.dtype | None = None
+                ) -> tuple[dict[str, torch.Tensor], SymbolTable]:
+    """Create fake input tensors with one ShapeEnv symbol per user symbol name (floating
+    inputs in ``float_dtype`` when given, as Lightning's ``*-true`` precisions convert them)."""
     from torch._dynamo.source import ConstantSource
 
     raw: dict[str, sympy.Symbol] = {}
@@ -231,7 +235,8 @@ def make_inputs(specs: list[TensorSpec], shape_env: ShapeEnv, hints: dict[str, i
     tensors = {}
     for spec in specs:
         shape = [symints[d] if isinstance(d, str) else d for d in spec.shape]
-        tensors[spec.name] = torch.empty(shape, dtype=spec.dtype, device=device)
+        dt = float_dtype if float_dtype is not None and spec.dtype.is_floating_point else spec.dtype
+        tensors[spec.name] = torch.empty(shape, dtype=dt, device=device)
     return tensors, SymbolTable(raw, dict(hints))
 
 
@@ -275,9 +280,23 @@ def translate(err: BaseException, recorder: Recorder | None) -> MemsimError:
 def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
              hints: dict[str, int], train: bool, loss_fn: LossFn | None = None,
              optimizer: OptimizerFactory | None = None, constants: dict | None = None,
-             keep_outputs: bool = True, patches: Callable | None = None
+             keep_outputs: bool = True, patches: Callable | None = None,
+             precision=None, accumulate: int = 1
              ) -> tuple[RunRecord, ShapeEnv, SymbolTable]:
-    """Run one training step (``train=True``) or one inference forward symbolically."""
+    """Run one training step (``train=True``) or one inference forward symbolically.
+
+    ``precision``: a :mod:`tracer.precision` mode. ``accumulate``: micro-batches per optimizer
+    step (gradient accumulation); micro-steps after the second repeat the second exactly (the
+    gradients exist, the previous output is released when the next forward returns), so two are
+    run for any ``accumulate >= 2``.
+    """
+    from .precision import forward_context, precision as _precision, wrap_optimizer
+
+    prec = _precision(precision)
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise InputError(f"accumulate={accumulate!r} must be an int >= 1",
+                         hint="micro-batches per optimizer step")
+    low = prec.param_dtype if prec.param_dtype != torch.float32 else None
     constants = dict(constants or {})
     check_inputs(model, [s.name for s in specs] + list(constants))
     shape_env = ShapeEnv()
@@ -289,46 +308,57 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(fake_mode)
-            stack.enter_context(fake_module(model, "cpu"))
+            stack.enter_context(fake_module(model, "cpu", low))
             stack.enter_context(optimizer_defaults_for(device))
             if device == "cuda":
                 from .cuda import cuda_kernels
                 stack.enter_context(cuda_kernels())
             if patches is not None:
                 stack.enter_context(patches())
-            inputs, symbols = make_inputs(specs, shape_env, hints, "cpu")
+            inputs, symbols = make_inputs(specs, shape_env, hints, "cpu", low)
             model.train(train)
             params = [p for p in dict.fromkeys(model.parameters())]
             trainable = [p for p in params if p.requires_grad]
-            opt = (optimizer or default_optimizer(device))(trainable) if train else None
+            factory = wrap_optimizer(prec, optimizer or default_optimizer(device))
+            opt = factory(trainable) if train else None
+            scaler = torch.amp.GradScaler("cpu") if train and prec.scaler else None
             stack.enter_context(recorder)
             stack.enter_context(module_tracking(model, recorder))
+            stack.enter_context(_no_cuda_autocast())
             _register(recorder, model, inputs)
             if train:
-                _warm_up(recorder, opt, trainable, device)
+                _warm_up(recorder, opt, trainable, device, scaler)
             recorder.run.start = len(recorder.run.events)
             if train:
                 recorder.mark(Phase.ZERO_GRAD)
                 opt.zero_grad(set_to_none=True)
-                recorder.mark(Phase.FORWARD)
-                with torch.autograd.graph.saved_tensors_hooks(
-                        lambda t: (recorder.mark_saved(t), t)[1], lambda t: t):
-                    out = model(**inputs, **constants)
-                    recorder.mark(Phase.LOSS)
-                    loss = loss_fn(out)
-                _check_loss(loss)
-                if not keep_outputs:
-                    out = None  # only the loss is kept, as Hugging Face's Trainer does
-                recorder.mark(Phase.BACKWARD)
-                loss.backward()
-                for p in trainable:
-                    if p.grad is not None:
-                        recorder.set_category(p.grad, Category.GRADIENT)
+                for _ in range(min(accumulate, 2)):
+                    recorder.mark(Phase.FORWARD)
+                    with torch.autograd.graph.saved_tensors_hooks(
+                            lambda t: (recorder.mark_saved(t), t)[1], lambda t: t):
+                        with forward_context(prec, device):
+                            out = model(**inputs, **constants)
+                            recorder.mark(Phase.LOSS)
+                            loss = loss_fn(out)
+                            _check_loss(loss)
+                            if accumulate > 1:
+                                loss = loss / accumulate
+                    if not keep_outputs:
+                        out = None  # only the loss is kept, as Hugging Face's Trainer does
+                    recorder.mark(Phase.BACKWARD)
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    for p in trainable:
+                        if p.grad is not None:
+                            recorder.set_category(p.grad, Category.GRADIENT)
                 recorder.mark(Phase.OPTIMIZER)
-                opt.step()
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
             else:
                 recorder.mark(Phase.FORWARD)
-                with torch.no_grad():
+                with torch.no_grad(), forward_context(prec, device):
                     out = model(**inputs, **constants)
             record = recorder.finish()
             record.specialized = list(recorder.specialized)
@@ -360,22 +390,62 @@ def _register(recorder: Recorder, model: torch.nn.Module, inputs: dict) -> None:
         recorder.register(t, name, Category.INPUT)
 
 
+@contextlib.contextmanager
+def _no_cuda_autocast():
+    """Model code that enables ``torch.autocast("cuda")`` would silently run in fp32 here (a
+    CPU build disables it with a warning): that is an error, not a wrong number."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        text = str(w.message)
+        if "autocast" in text.lower() and "cuda" in text.lower() and "not available" in text:
+            raise InputError(
+                "the model's code enables torch.autocast('cuda'), which a symbolic run on the "
+                "CPU cannot apply (it would silently trace fp32)",
+                hint="remove autocast from forward and pass precision='bf16-mixed' or "
+                     "'16-mixed' (--precision), which traces autocast with CUDA's policy")
+    for w in caught:
+        if "autocast" not in str(w.message).lower():
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
-             device: str) -> None:
+             device: str, scaler=None) -> None:
     """Create the optimizer state as a previous step would have, and that step's gradients.
 
     On CUDA, torch.optim keeps scalar ``step`` counters on the host unless the optimizer is
-    ``capturable`` or ``fused``: those are marked as host memory.
+    ``capturable`` or ``fused``: those are marked as host memory. Master-weight optimizers
+    (:class:`tracer.precision.MasterWeights`) hold fp32 masters (optimizer state) and fp32
+    gradient buffers (gradients). A GradScaler's scale and growth tracker are optimizer state.
     """
+    from .precision import MasterWeights
+
+    if scaler is not None:
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        for name in ("_scale", "_growth_tracker"):
+            t = getattr(scaler, name)
+            recorder.register(t, f"<grad_scaler.{name}>", Category.OPTIMIZER_STATE)
+            recorder.set_category(t, Category.OPTIMIZER_STATE)
+    if isinstance(opt, MasterWeights):
+        for i, m in enumerate(opt.masters):
+            recorder.register(m, f"<master.{i}>", Category.OPTIMIZER_STATE)
+        for i, g in enumerate(opt.main_grads):
+            recorder.register(g, f"<main_grad.{i}>", Category.GRADIENT)
     for p in trainable:
         p.grad = torch.zeros_like(p)
     opt.step()
     for p in trainable:
         recorder.set_category(p.grad, Category.GRADIENT)
-    on_device_steps = any(g.get("capturable") or g.get("fused") for g in opt.param_groups)
-    for state in opt.state.values():
+    inner = opt.inner if isinstance(opt, MasterWeights) else opt
+    on_device_steps = any(g.get("capturable") or g.get("fused") for g in inner.param_groups)
+    paged = device == "cuda" and getattr(inner, "_memsim_host_state", False)
+    for state in inner.state.values():
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 recorder.set_category(v, Category.OPTIMIZER_STATE)
-                if device == "cuda" and k == "step" and v.dim() == 0 and not on_device_steps:
+                if paged or (device == "cuda" and k == "step" and v.dim() == 0
+                             and not on_device_steps):
                     recorder.set_host(v)

@@ -1,0 +1,84 @@
+"""Optimizers outside the core set: traced ones against real runs, 8-bit layouts against the
+real bitsandbytes optimizer (its CPU path runs here when the package is installed)."""
+
+import pytest
+import torch
+
+import zoo
+from conftest import grid
+from oracle import check, predict
+from analysis import analyze
+from tracer.optimizers import Lion, lookup, register_optimizer
+
+SEQ = {"x": ("float32", ["B", "S", 32])}
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lion", "sgd", "sgd-momentum", "adamw8bit"])
+def test_named_optimizers_match_real_run(name):
+    """Traced optimizers run their real step; the 8-bit layout's stand-in steps in place, as
+    the real fused kernel does (on CPU too: the run below is the stand-in against itself for the
+    step, the state sizes are checked against bitsandbytes in the next test)."""
+    factory = lookup(name).factory
+    report = predict(zoo.Block, SEQ, optimizer=name, inference=False)
+    check(report, zoo.Block, SEQ, grid(B=(2, 3), S=(5, 16)), optimizer=factory)
+
+
+def test_adafactor_factors_second_moments():
+    """torch.optim.Adafactor keeps row and column factors for matrices: far less than Adam."""
+    with torch.device("meta"):
+        m = torch.nn.Linear(512, 512, bias=False)
+    ada = analyze(m, {"input": ("float32", ["B", 512])}, optimizer="adafactor", device="cpu",
+                  inference=False).train.optimizer_states
+    adam = analyze(m, {"input": ("float32", ["B", 512])}, optimizer="adamw", device="cpu",
+                   inference=False).train.optimizer_states
+    assert adam == 2 * 512 * 512 * 4 + 4
+    assert ada < 3 * 512 * 4 + 64
+
+
+@pytest.mark.parametrize("name,cls", [("adamw8bit", "AdamW8bit"), ("lion8bit", "Lion8bit")])
+def test_8bit_layout_equals_bitsandbytes(name, cls):
+    bnb = pytest.importorskip("bitsandbytes")
+    sizes = [5000, 70000, 4095, 300]
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    opt = getattr(bnb.optim, cls)(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    real = {id(v.untyped_storage()): v.untyped_storage().nbytes()
+            for st in opt.state.values() for v in st.values() if torch.is_tensor(v)}
+    ours = lookup(name).factory([torch.nn.Parameter(torch.randn(n)) for n in sizes])
+    for g in ours.param_groups:
+        for p in g["params"]:
+            p.grad = torch.randn_like(p)
+    ours.step()
+    mine = {id(v.untyped_storage()): v.untyped_storage().nbytes()
+            for st in ours.state.values() for v in st.values() if torch.is_tensor(v)}
+    assert sum(mine.values()) == sum(real.values())
+    assert sorted(mine.values()) == sorted(real.values())
+
+
+def test_paged_states_are_on_the_host_on_cuda():
+    with torch.device("meta"):
+        m = torch.nn.Linear(128, 128)
+    inp = {"input": ("float32", ["B", 128])}
+    paged = analyze(m, inp, optimizer="paged_adamw8bit", inference=False)
+    plain = analyze(m, inp, optimizer="adamw8bit", inference=False)
+    assert paged.train.optimizer_states == 0 and plain.train.optimizer_states > 0
+
+
+def test_register_a_state_rule_in_a_few_lines():
+    register_optimizer("test-two-moments", state=lambda p: {"m": (p.shape, p.dtype),
+                                                            "v": (p.shape, p.dtype)})
+    with torch.device("meta"):
+        m = torch.nn.Linear(64, 64, bias=False)
+    r = analyze(m, {"input": ("float32", ["B", 64])}, optimizer="test-two-moments",
+                device="cpu", inference=False)
+    assert r.train.optimizer_states == 2 * 64 * 64 * 4
+
+
+def test_lion_keeps_one_moment():
+    p = torch.nn.Parameter(torch.randn(10))
+    opt = Lion([p])
+    p.grad = torch.randn(10)
+    opt.step()
+    assert list(opt.state[p]) == ["exp_avg"]

@@ -1,0 +1,167 @@
+"""Optimizers by name: every ``torch.optim`` class (traced), and the popular ones outside it.
+
+Two kinds of entries:
+
+- **traced**: a factory ``params -> torch.optim.Optimizer`` whose real ``step`` runs in the
+  symbolic step, so its state and temporaries are exact for that implementation. All of
+  ``torch.optim`` (``AdamW``, ``Adafactor``, ``SGD``...), ``sgd-momentum`` (momentum 0.9) and
+  ``lion`` (:class:`Lion`, the update of the reference implementation, lucidrains'
+  ``lion-pytorch``: one moment, two parameter-sized temporaries per parameter in ``step``).
+- **state layouts**: for optimizers whose step is a fused kernel that allocates nothing
+  (bitsandbytes' 8-bit optimizers), the state tensors each parameter gets, created by a
+  stand-in optimizer (:class:`StateLayout`) whose step updates in place.
+
+bitsandbytes 8-bit layout (checked against a real ``bitsandbytes`` 0.50 optimizer on CPU in
+``tests/test_optimizers.py``): parameters with at least 4,096 elements get ``uint8`` states
+(one per moment) plus a float32 absmax per block of 256 elements; smaller parameters get
+float32 states; one 256-entry float32 quantization map per moment is shared by all parameters;
+the step count is a Python int. Paged variants keep the states in CUDA unified memory, which the
+driver evicts to the host under pressure: they are reported on the host, not in the device peak.
+
+Register your own in a few lines::
+
+    from tracer.optimizers import register_optimizer
+    register_optimizer("my-adam", state=lambda p: {"m": (p.shape, p.dtype),
+                                                   "v": (p.shape, p.dtype)})
+    register_optimizer("my-sgd", factory=lambda params: MySGD(params, lr=0.1))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .errors import UsageError
+
+StateFn = Callable[[torch.Tensor], dict]
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    name: str
+    factory: Callable
+    doc: str
+    host_state: bool = False  # states live off the device (paged / unified memory)
+
+
+_REGISTRY: dict[str, OptimizerEntry] = {}
+
+
+class StateLayout(torch.optim.Optimizer):
+    """Creates each parameter's state from ``state(p) -> {name: (shape, dtype)}`` (and
+    ``shared`` tensors once for the whole optimizer) and updates parameters in place."""
+
+    def __init__(self, params, state: StateFn, shared: dict | None = None, lr: float = 1e-3):
+        super().__init__(params, {"lr": lr})
+        self._layout = state
+        self._shared_spec = dict(shared or {})
+        self.shared: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.shared and self._shared_spec:
+                    self.shared = {k: torch.zeros(s, dtype=d, device=p.device)
+                                   for k, (s, d) in self._shared_spec.items()}
+                st = self.state[p]
+                if not st:
+                    for k, (shape, dtype) in self._layout(p).items():
+                        st[k] = torch.zeros(shape, dtype=dtype, device=p.device)
+                    st.update(self.shared)
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023), with the update of the reference implementation."""
+
+    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["exp_avg"] = torch.zeros_like(p)
+                exp_avg = st["exp_avg"]
+                p.mul_(1 - lr * wd)
+                update = exp_avg.clone().mul_(beta1).add(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-lr)
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+def register_optimizer(name: str, factory: Callable | None = None, *,
+                       state: StateFn | None = None, shared: dict | None = None,
+                       doc: str = "", host_state: bool = False) -> OptimizerEntry:
+    """Register an optimizer by ``name``: a traced ``factory(params)`` or a state layout."""
+    if (factory is None) == (state is None):
+        raise UsageError(f"register_optimizer({name!r}): give exactly one of factory= or state=")
+    if factory is None:
+        factory = lambda params: StateLayout(params, state, shared)  # noqa: E731
+    entry = OptimizerEntry(name.lower(), factory, doc, host_state)
+    _REGISTRY[entry.name] = entry
+    return entry
+
+
+def _bnb_8bit(moments: int, min_8bit_size: int = 4096, block: int = 256) -> tuple:
+    def state(p):
+        n = p.numel()
+        if n < min_8bit_size:
+            return {f"state{i + 1}": (p.shape, torch.float32) for i in range(moments)}
+        out = {f"state{i + 1}": (p.shape, torch.uint8) for i in range(moments)}
+        out.update({f"absmax{i + 1}": ((math.ceil(n / block),), torch.float32)
+                    for i in range(moments)})
+        return out
+
+    shared = {f"qmap{i + 1}": ((256,), torch.float32) for i in range(moments)}
+    return state, shared
+
+
+for _name, _moments, _paged in [("adamw8bit", 2, False), ("adam8bit", 2, False),
+                                ("paged_adamw8bit", 2, True), ("paged_adam8bit", 2, True),
+                                ("lion8bit", 1, False), ("paged_lion8bit", 1, True)]:
+    _st, _sh = _bnb_8bit(_moments)
+    register_optimizer(_name, state=_st, shared=_sh, host_state=_paged,
+                       doc=f"bitsandbytes {_name} state layout ({_moments} x 8-bit + absmax)")
+register_optimizer("lion", lambda params: Lion(params), doc="Lion (reference update)")
+register_optimizer("sgd-momentum", lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+                   doc="torch.optim.SGD, momentum 0.9")
+
+
+def _torch_optimizers() -> dict[str, type]:
+    return {k.lower(): getattr(torch.optim, k) for k in dir(torch.optim)
+            if isinstance(getattr(torch.optim, k), type)
+            and issubclass(getattr(torch.optim, k), torch.optim.Optimizer) and k != "Optimizer"}
+
+
+def names() -> list[str]:
+    """Every name :func:`optimizer` accepts."""
+    return sorted(set(_torch_optimizers()) | set(_REGISTRY))
+
+
+def lookup(name: str) -> OptimizerEntry:
+    """The entry for ``name`` (case-insensitive): registered first, then torch.optim."""
+    key = name.lower()
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    cls = _torch_optimizers().get(key)
+    if cls is not None:
+        lr = {"sgd": 1e-3}.get(key)  # SGD has no default lr
+        return OptimizerEntry(key, (lambda params: cls(params, lr=lr)) if lr else
+                              (lambda params: cls(params)), f"torch.optim.{cls.__name__}")
+    import difflib
+    close = difflib.get_close_matches(key, names(), n=3)
+    raise UsageError(f"unknown optimizer {name!r}"
+                     + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""),
+                     hint=f"known: {', '.join(names())}; or register_optimizer(...)")

@@ -1,0 +1,176 @@
+"""Precision modes, traced (not assumed): the names PyTorch Lightning users know, plus one.
+
+========================  =================================================================
+``32-true``               fp32 parameters, activations, gradients, optimizer states
+``bf16-mixed``            fp32 parameters; forward and loss under ``torch.autocast`` (bf16):
+                          the casted weight copies and bf16 activations autocast creates
+``16-mixed``              as ``bf16-mixed`` with fp16, plus ``torch.amp.GradScaler``
+``bf16-true``             parameters (and floating inputs) in bf16: gradients and optimizer
+                          states follow (torch.optim keeps states in the parameter dtype)
+``16-true``               the same in fp16
+``bf16-master``           bf16 parameters and gradients, fp32 master weights, fp32 gradient
+                          copies and fp32 optimizer states: the Megatron / DeepSpeed bf16
+                          layout (2 + 2 + 4 + 4 + 8 bytes per parameter with AdamW)
+========================  =================================================================
+
+Every run is on fake CPU tensors (a CPU build cannot run autograd on fake CUDA tensors), so
+autocast runs as CPU autocast. Where CUDA's autocast policy differs from the CPU's in a way that
+changes memory, :class:`CudaAutocastPolicy` applies CUDA's rule when ``--device cuda``: norms
+(``layer_norm``, ``group_norm``, ``rms_norm``) and the fp32-list math ops (``exp``, ``log``,
+``pow``, ``rsqrt``, ``logsumexp``...) get fp32 copies of low-precision inputs and return fp32;
+``softmax``, ``log_softmax``, ``sum``, ``cumsum``, ``prod``, ``norm`` return fp32 (CUDA's
+"fp32 with output dtype" rule). Known difference: CUDA's fp16 softmax reads half and writes float
+without a copy; the CPU kernel makes a transient fp32 copy of the input, which is counted here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .errors import InputError
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16-master")
+_ALIASES = {"32": "32-true", "fp32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed",
+            "fp16-mixed": "16-mixed", "amp": "16-mixed", "fp16-true": "16-true",
+            "bf16-true-master": "bf16-master"}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a precision mode does to the step."""
+
+    name: str
+    param_dtype: torch.dtype      # dtype of the model's floating parameters
+    autocast: torch.dtype | None  # autocast dtype for forward + loss, or None
+    scaler: bool                  # torch.amp.GradScaler around backward and step
+    master: bool                  # fp32 master weights in the optimizer
+
+    @property
+    def low(self) -> torch.dtype | None:
+        return self.autocast or (self.param_dtype if self.param_dtype != torch.float32 else None)
+
+
+def precision(name: str | Precision | None) -> Precision:
+    """Look up a precision mode by name (see module docstring)."""
+    if isinstance(name, Precision):
+        return name
+    key = _ALIASES.get(str(name or "32-true"), str(name or "32-true"))
+    table = {
+        "32-true": Precision("32-true", torch.float32, None, False, False),
+        "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16, False, False),
+        "16-mixed": Precision("16-mixed", torch.float32, torch.float16, True, False),
+        "bf16-true": Precision("bf16-true", torch.bfloat16, None, False, False),
+        "16-true": Precision("16-true", torch.float16, None, False, False),
+        "bf16-master": Precision("bf16-master", torch.bfloat16, None, False, True),
+    }
+    if key not in table:
+        import difflib
+        close = difflib.get_close_matches(str(name), PRECISIONS, n=1)
+        raise InputError(f"unknown precision {name!r}"
+                         + (f" (did you mean {close[0]!r}?)" if close else ""),
+                         hint=f"use one of {', '.join(PRECISIONS)}")
+    return table[key]
+
+
+class MasterWeights(torch.optim.Optimizer):
+    """An optimizer over fp32 master copies of low-precision parameters.
+
+    ``step``: each parameter's gradient is copied into a persistent fp32 gradient buffer, the
+    inner optimizer (built by ``inner(masters)``) steps the fp32 masters, and the result is
+    copied back into the parameter in place. The masters and the fp32 gradient buffers exist
+    from construction on, as in DeepSpeed's BF16 optimizer and Megatron's distributed optimizer
+    (their fp32 ``main_grad`` buffers).
+    """
+
+    def __init__(self, params, inner):
+        params = list(params)
+        super().__init__(params, {})
+        self.masters = [p.detach().to(torch.float32) for p in params]
+        self.main_grads = [torch.zeros_like(m) for m in self.masters]
+        self._pairs = list(zip(params, self.masters, self.main_grads))
+        self.inner = inner([torch.nn.Parameter(m, requires_grad=False) for m in self.masters])
+        self._inner_params = [p for g in self.inner.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for (p, _m, g), ip in zip(self._pairs, self._inner_params):
+            if p.grad is None:
+                continue
+            g.copy_(p.grad)
+            ip.grad = g
+        self.inner.step()
+        for (p, _m, _g), ip in zip(self._pairs, self._inner_params):
+            p.copy_(ip)
+        for ip in self._inner_params:
+            ip.grad = None
+
+    def state_tensors(self):
+        """Every tensor this optimizer holds: masters, fp32 gradients, the inner state."""
+        yield from self._inner_params
+        yield from self.main_grads
+        for st in self.inner.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    yield v
+
+
+def wrap_optimizer(prec: Precision, factory):
+    """The optimizer factory for ``prec``: ``factory`` itself, or wrapped in master weights."""
+    if not prec.master:
+        return factory
+    return lambda params: MasterWeights(params, factory)
+
+
+_FP32 = [F.layer_norm, F.group_norm, torch.layer_norm, torch.group_norm, torch.exp,
+         torch.Tensor.exp, torch.log, torch.Tensor.log, torch.pow, torch.Tensor.pow,
+         torch.Tensor.__pow__, torch.rsqrt, torch.Tensor.rsqrt, torch.logsumexp,
+         torch.Tensor.logsumexp, torch.expm1, torch.log1p, torch.reciprocal, F.softplus,
+         F.kl_div, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.mse_loss, F.cosine_similarity]
+if hasattr(F, "rms_norm"):
+    _FP32.append(F.rms_norm)
+_FP32_OUT = [F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+             torch.Tensor.log_softmax, torch.sum, torch.Tensor.sum, torch.cumsum,
+             torch.Tensor.cumsum, torch.prod, torch.Tensor.prod]
+_FP32_SET = frozenset(_FP32)
+_FP32_OUT_SET = frozenset(_FP32_OUT)
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _is_low(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype in _LOW
+
+
+class CudaAutocastPolicy(TorchFunctionMode):
+    """Inside CPU autocast: the ops whose CUDA autocast rule differs run by CUDA's rule."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.is_autocast_enabled("cpu"):
+            return func(*args, **kwargs)
+        if func in _FP32_SET and any(_is_low(a) for a in (*args, *kwargs.values())):
+            cast = lambda a: a.float() if _is_low(a) else a  # noqa: E731
+            with torch.autocast("cpu", enabled=False):
+                return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+        if (func in _FP32_OUT_SET and args and _is_low(args[0]) and len(args) <= 2
+                and kwargs.get("dtype") is None):
+            with torch.autocast("cpu", enabled=False):
+                return func(*args, **{**kwargs, "dtype": torch.float32})
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def forward_context(prec: Precision, device: str):
+    """Autocast for forward + loss (with CUDA's policy where it differs), or nothing."""
+    if prec.autocast is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", dtype=prec.autocast))
+        if device == "cuda":
+            stack.enter_context(CudaAutocastPolicy())
+        yield
