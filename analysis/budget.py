@@ -153,6 +153,15 @@ class _Model:
         frag = int(allocated * self.overheads.fragmentation) if self.report.device == "cuda" else 0
         return {"fragmentation": frag, **self.fixed}
 
+    def floor(self, point: dict[str, int]) -> int:
+        """Bytes no size can go below: model states live for the whole step + fixed terms."""
+        step = self.step_of(self.report)
+        sizes = {n: step.ranges.get(n, (2, None))[0] for n in self.report.symbols}
+        pt = {**point, **sizes}
+        states = sum(step.evaluate(e, pt) for e in (step.parameters, step.gradients,
+                                                    step.optimizer_states, step.buffers))
+        return states + sum(self.fixed.values())
+
     def total(self, point: dict[str, int]) -> int:
         a = self.allocated(point)
         return a + sum(self.overhead(a).values())
@@ -205,6 +214,10 @@ def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: li
     def fits(v: int) -> bool:
         return model.total({**point, name: v}) <= usable
 
+    if model.floor(point) > usable:
+        notes.append(f"{name}: the model states and fixed overheads alone exceed the usable "
+                     "memory: no size fits")
+        return 0
     if not fits(lo):
         v = lo - 1
         while v >= 1 and not fits(v):

@@ -69,6 +69,7 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None) ->
     """The stable JSON document (see README, "JSON output")."""
     at = {**report.fixed, **(point or {})}
     doc: dict = {"memsim": VERSION, "device": report.device,
+                 "precision": report.precision, "accumulate": report.accumulate,
                  "symbols": list(report.symbols), "at": at or None, "fixed": dict(report.fixed),
                  "ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()}}
     if report.train is not None:
@@ -124,9 +125,9 @@ def budget_text(b, device: str) -> str:
            tabulate(rows, headers=["term", "bytes"])]
     lim = []
     if b.max_batch is not None:
-        lim.append(f"largest batch that fits: {b.max_batch}")
+        lim.append(f"largest batch that fits: {b.max_batch or 'none'}")
     if b.max_seq is not None:
-        lim.append(f"largest sequence that fits: {b.max_seq}")
+        lim.append(f"largest sequence that fits: {b.max_seq or 'none'}")
     if lim:
         out.append("; ".join(lim) + " (the other sizes as given; solved from the formula, "
                                     "checked at the answer and the next size)")
@@ -162,7 +163,8 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
             seq: str = "S") -> str:
     """Readable tables: figures with formulas, the peak's regimes, breakdown, top modules."""
     out = [f"memsim {VERSION} — device modelled: {report.device} "
-           f"({DEVICE_NOTES[report.device]})",
+           f"({DEVICE_NOTES[report.device]}); precision {report.precision}"
+           + (f"; {report.accumulate} micro-batches per step" if report.accumulate > 1 else ""),
            f"formulas in bytes, valid for {_range_text(report)}"
            + (f"; evaluated at {', '.join(f'{k}={v}' for k, v in {**report.fixed, **point}.items())}"
               if point is not None else "")]

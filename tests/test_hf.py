@@ -68,3 +68,19 @@ def test_all_ones_mask_matches_real_run(factory):
     if factory is llama:  # with a mask Llama also repeats K/V for SDPA: strictly more memory
         pt = {"B": 3, "S": 16}
         assert padded.at(**pt)["train"]["peak"] > report.at(**pt)["train"]["peak"]
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_matches_real_run():
+    """Hugging Face's own (non-reentrant) checkpointing: the recomputed forward's activations
+    come back transiently during backward, in the trace as in the real run."""
+    def factory():
+        m = llama()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+    report = predict(factory, LM, inference=False)
+    check(report, factory, LM, grid(B=(2, 3), S=(5, 16)))
+    plain = predict(llama, LM, inference=False)
+    pt = {"B": 3, "S": 16}
+    assert report.at(**pt)["train"]["saved_activations"] < \
+        plain.at(**pt)["train"]["saved_activations"]

@@ -86,3 +86,14 @@ def test_bad_precision_and_cuda_autocast_in_model_are_errors():
         m = UsesCudaAutocast()
     with pytest.raises(InputError, match="autocast"):
         analyze(m, {"x": ("float32", ["B", 16])}, device="cpu")
+
+
+def test_cuda_fused_attention_gets_autocast_inputs():
+    """The fused kernel memsim routes SDPA to on cuda bypasses autocast's dispatch: its inputs
+    are cast as autocast casts SDPA's (to bf16), so the saved q, k, v and output are bf16."""
+    with torch.device("meta"):
+        m = zoo.Block(sdpa=True)
+    r = analyze(m, SEQ, device="cuda", precision="bf16-mixed", inference=False)
+    flash = [rec for rec in r.train.trace.run.ops
+             if getattr(rec, "op", "") == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    assert flash and all(rec.outputs[0].dtype == "bfloat16" for rec in flash)

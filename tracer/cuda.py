@@ -54,6 +54,12 @@ def _flash_like(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         return None
     if attn_mask is not None:
         return None  # memory-efficient attention on CUDA; the CPU kernel takes no such mask here
+    if torch.is_autocast_enabled("cpu"):
+        # SDPA is on autocast's lower-precision list (CPU and CUDA alike); calling the kernel
+        # directly bypasses autocast, so cast as autocast would
+        low = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(low) if t.is_floating_point() else t
+                             for t in (query, key, value))
     out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, scale=scale)
     return out

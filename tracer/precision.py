@@ -164,13 +164,21 @@ class CudaAutocastPolicy(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def forward_context(prec: Precision, device: str):
-    """Autocast for forward + loss (with CUDA's policy where it differs), or nothing."""
+def forward_context(prec: Precision):
+    """Autocast for forward + loss, or nothing."""
     if prec.autocast is None:
         yield
         return
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.autocast("cpu", dtype=prec.autocast))
-        if device == "cuda":
-            stack.enter_context(CudaAutocastPolicy())
+    with torch.autocast("cpu", dtype=prec.autocast):
+        yield
+
+
+@contextlib.contextmanager
+def step_context(prec: Precision, device: str):
+    """For the whole step: CUDA's autocast policy wherever CPU autocast is on (forward, and
+    the forward that activation checkpointing recomputes during backward)."""
+    if prec.autocast is None or device != "cuda":
+        yield
+        return
+    with CudaAutocastPolicy():
         yield

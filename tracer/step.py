@@ -290,7 +290,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
     gradients exist, the previous output is released when the next forward returns), so two are
     run for any ``accumulate >= 2``.
     """
-    from .precision import forward_context, precision as _precision, wrap_optimizer
+    from .precision import forward_context, precision as _precision, step_context, wrap_optimizer
 
     prec = _precision(precision)
     if not isinstance(accumulate, int) or accumulate < 1:
@@ -325,6 +325,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             stack.enter_context(recorder)
             stack.enter_context(module_tracking(model, recorder))
             stack.enter_context(_no_cuda_autocast())
+            stack.enter_context(step_context(prec, device))
             _register(recorder, model, inputs)
             if train:
                 _warm_up(recorder, opt, trainable, device, scaler)
@@ -336,7 +337,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
                     recorder.mark(Phase.FORWARD)
                     with torch.autograd.graph.saved_tensors_hooks(
                             lambda t: (recorder.mark_saved(t), t)[1], lambda t: t):
-                        with forward_context(prec, device):
+                        with forward_context(prec):
                             out = model(**inputs, **constants)
                             recorder.mark(Phase.LOSS)
                             loss = loss_fn(out)
@@ -358,7 +359,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
                     opt.step()
             else:
                 recorder.mark(Phase.FORWARD)
-                with torch.no_grad(), forward_context(prec, device):
+                with torch.no_grad(), forward_context(prec):
                     out = model(**inputs, **constants)
             record = recorder.finish()
             record.specialized = list(recorder.specialized)
