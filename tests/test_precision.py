@@ -97,3 +97,10 @@ def test_cuda_fused_attention_gets_autocast_inputs():
     flash = [rec for rec in r.train.trace.run.ops
              if getattr(rec, "op", "") == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
     assert flash and all(rec.outputs[0].dtype == "bfloat16" for rec in flash)
+
+
+def test_impossible_precision_combination_is_named():
+    with torch.device("meta"):
+        m = zoo.MLP().half()
+    with pytest.raises(InputError, match="'16-mixed' needs fp32 parameters.*GradScaler"):
+        analyze(m, {"x": ("float16", ["B", 16])}, precision="16-mixed", device="cpu")

@@ -319,6 +319,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             model.train(train)
             params = [p for p in dict.fromkeys(model.parameters())]
             trainable = [p for p in params if p.requires_grad]
+            _check_precision(prec, model, trainable, train)
             factory = wrap_optimizer(prec, optimizer or default_optimizer(device))
             opt = factory(trainable) if train else None
             scaler = torch.amp.GradScaler("cpu") if train and prec.scaler else None
@@ -371,6 +372,20 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
     finally:
         model.train(was_training)
     return record, shape_env, symbols
+
+
+def _check_precision(prec, model: torch.nn.Module, trainable: list, train: bool) -> None:
+    """Combinations that cannot run get an error naming the setting."""
+    if not train or not prec.scaler:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    half = [names.get(id(p), "?") for p in trainable if p.dtype == torch.float16]
+    if half:
+        raise InputError(
+            f"precision {prec.name!r} needs fp32 parameters, but {half[0]!r}"
+            + (f" and {len(half) - 1} more" if len(half) > 1 else "") + " are fp16: "
+            "GradScaler cannot unscale fp16 gradients",
+            hint="use precision='16-true' for an fp16 model, or build the model in fp32")
 
 
 def _check_loss(loss) -> None:
