@@ -90,12 +90,12 @@ class StepMemory:
         return {self.trace.symbols[n]: v for n, v in point.items()}
 
     def evaluate(self, expr: sympy.Expr, point: dict[str, int]) -> int:
-        return int(expr.subs(self.check_point(point)))
+        return int(sympy.sympify(expr).xreplace(self.check_point(point)))
 
     def winner(self, point: dict[str, int]) -> Candidate:
         """The candidate that is the peak at ``point``."""
         subs = self.check_point(point)
-        return max(self.candidates, key=lambda c: (int(c.expr.subs(subs)), -c.event))
+        return max(self.candidates, key=lambda c: (int(c.expr.xreplace(subs)), -c.event))
 
     def breakdown(self, point: dict[str, int]) -> dict[str, int]:
         """Bytes live at the peak at ``point``, by category."""
@@ -107,7 +107,7 @@ class StepMemory:
         for sid in live:
             s = run.storages[sid]
             if s.device == self.trace.device:
-                out[s.category.value] += int(charged(s, self.trace.device).subs(subs))
+                out[s.category.value] += int(charged(s, self.trace.device).xreplace(subs))
         return out
 
     def regimes(self, sym: str, point: dict[str, int]) -> list[tuple[int, Candidate]]:
@@ -220,5 +220,5 @@ def module_savings(trace: Trace, types: dict[str, str]) -> list[ModuleSaved]:
                 acc.setdefault(m, []).append(charged(s, trace.device))
     hint = {sym: trace.hints[n] for n, sym in trace.symbols.items()}
     out = [ModuleSaved(p, types.get(p, ""), sympy.expand(sympy.Add(*v))) for p, v in acc.items()]
-    out.sort(key=lambda m: (-int(m.saved.subs(hint)), m.path))
+    out.sort(key=lambda m: (-int(m.saved.xreplace(hint)), m.path))
     return out

@@ -111,6 +111,14 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="does one training step fit a GPU? exit 0 yes, 1 no")
     _add_common(f)
     f.add_argument("--inference", action="store_true", help="check inference instead")
+    c = sub.add_parser("checkpoint", help="which layers to checkpoint, and a plan's new peak")
+    _add_common(c)
+    c.add_argument("--plan", default="optimal",
+                   help="none, blocks, selective, every:K or optimal (default optimal; needs "
+                        "--budget or --gpu/--memory)")
+    c.add_argument("--budget", metavar="SIZE",
+                   help="the tensor peak to fit, e.g. 20GiB (no overheads or margin added)")
+    c.add_argument("--top", type=int, default=10, help="rows of the ranking (default 10)")
     sub.add_parser("gpus", help="list the GPU catalog")
     return p
 
@@ -150,6 +158,8 @@ def run(argv: list[str] | None = None) -> int:
         from .render import gpu_table
         print(gpu_table())
         return 0
+    if args.cmd == "checkpoint":
+        return _checkpoint(args)
     if not args.input:
         raise UsageError("no --input given",
                          hint="name each tensor forward takes, e.g. --input input_ids=int64[B,S]")
@@ -187,6 +197,51 @@ def run(argv: list[str] | None = None) -> int:
     if budget is not None and (fit or getattr(args, "check", False)) and not budget.fits:
         return 1
     return 0
+
+
+def _checkpoint(args) -> int:
+    from analysis.budget import Overheads
+    from analysis.gpus import gpu, load_catalog, parse_memory
+
+    from . import checkpoint as ck
+    from .render import checkpoint_json, checkpoint_text
+
+    if not args.input:
+        raise UsageError("no --input given", hint="e.g. --input input_ids=int64[B,S]")
+    if args.gpu_file:
+        load_catalog(args.gpu_file)
+    specs = {s.name: s for s in (parse_input(t) for t in args.input)}
+    point = parse_assignments(args.at, "--at") if args.at else None
+    hints = parse_assignments(args.hint, "--hint") if args.hint else None
+    device = gpu(args.gpu) if args.gpu else None
+    if args.plan == "optimal" and point is None:
+        raise UsageError("--plan optimal needs a point", hint="give --at B=...,S=...")
+    model = load_target(args.target)
+    kw = dict(device=args.device, optimizer=_optimizer(args.optimizer), hints=hints,
+              precision=args.precision, accumulate=args.accumulate)
+    from analysis import analyze
+    base = analyze(model, specs, inference=False, **kw)
+    budget = None
+    if args.budget:
+        budget = parse_memory(args.budget)
+    elif device is not None or args.memory:
+        cap = device.bytes if device is not None else parse_memory(args.memory)
+        ctx = parse_memory(args.cuda_context) if args.cuda_context else None
+        budget = ck.budget_bytes(base, point or {}, capacity=cap, margin=args.margin,
+                                 gpu=device, overheads=Overheads(args.fragmentation, ctx))
+    if args.plan == "optimal":
+        if budget is None:
+            raise UsageError("--plan optimal needs a budget",
+                             hint="give --budget 20GiB, --gpu NAME or --memory SIZE")
+        result = ck.optimal_plan(model, specs, point, budget, base=base, **kw)
+    else:
+        result = ck.evaluate_plan(model, specs, ck.named_plan(model, args.plan), base=base, **kw)
+    rank = ck.ranking(base)
+    if args.json:
+        print(json.dumps(checkpoint_json(base, result, rank, point, budget), indent=2))
+    else:
+        print(checkpoint_text(base, result, rank, point, budget, args.plan, top=args.top))
+    return 0 if result is not None else 1
 
 
 def main(argv: list[str] | None = None) -> int:

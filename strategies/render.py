@@ -236,3 +236,93 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
         out += ["", "Budget", budget_text(budget, report.device)]
         out += _sweep_text(full or report, full_point or point, budget, batch, seq)
     return "\n".join(out)
+
+
+def _flops_text(n) -> str:
+    if n is None:
+        return "-"
+    for unit, k in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} FLOP"
+
+
+def _val(step, expr, point):
+    return step.evaluate(expr, point) if point is not None else None
+
+
+def checkpoint_json(base: Report, result, ranking, point, budget) -> dict:
+    """``memsim checkpoint --json`` (README, "Checkpointing")."""
+    doc: dict = {"memsim": VERSION, "device": base.device, "precision": base.precision,
+                 "symbols": list(base.symbols), "at": dict(point) if point else None,
+                 "budget": budget, "fits": None, "plan": None}
+    bstep = base.train
+    doc["ranking"] = [{"path": r.path, "type": r.type, "count": r.count,
+                       "saved": _e(bstep, r.saved, point), "forward_flops": _e(bstep, r.flops, point)}
+                      for r in ranking]
+    if result is None:
+        doc["fits"] = False
+        return doc
+    t = result.report.train
+    doc["plan"] = list(result.plan)
+    doc["train"] = {f: _e(t, getattr(t, f), point) for f in TRAIN_FIELDS}
+    doc["recompute_flops"] = _e(t, result.recompute_flops, point)
+    doc["step_flops"] = _e(t, result.step_flops, point)
+    if budget is not None and point is not None:
+        doc["fits"] = t.evaluate(t.peak, point) <= budget
+    return doc
+
+
+def checkpoint_text(base: Report, result, ranking, point, budget, plan: str, top: int = 10) -> str:
+    """The ranking of layers worth checkpointing and the chosen plan's effect."""
+    bstep = base.train
+    out = [f"memsim {VERSION} — checkpointing, device modelled: {base.device}; precision "
+           f"{base.precision}" + (f"; at {', '.join(f'{k}={v}' for k, v in point.items())}"
+                                  if point else "")]
+    rows = []
+    ranked = ranking
+    if point is not None:
+        def key(r):
+            sv, fl = _val(bstep, r.saved, point), _val(bstep, r.flops, point)
+            return (0 if not fl else 1, -(sv / fl) if fl else -sv)
+        ranked = sorted(ranking, key=key)
+    for r in ranked[:top]:
+        sv, fl = _val(bstep, r.saved, point), _val(bstep, r.flops, point)
+        rows.append([r.path, r.type, r.count] + ([] if point else [formula(r.saved)])
+                    + _at(point, human(sv), _flops_text(fl) if fl else "no matmul",
+                          f"{sv / fl:.3g}" if fl else "-"))
+    out += ["", "Layers worth checkpointing (per module; saved for backward vs the forward "
+                "FLOPs recomputing it costs)",
+            tabulate(rows, headers=["module", "type", "count"]
+                     + ([] if point else ["saved (bytes)"])
+                     + _at(point, "saved", "forward FLOPs", "bytes/FLOP")),
+            "(FLOPs by torch.utils.flop_counter's formulas: matmuls, convolutions, attention; "
+            "elementwise ops and norms count none, so they rank first: cheap to recompute)"]
+    if result is None:
+        out += ["", f"plan {plan}: not even checkpointing every block brings the peak under "
+                    f"{human(budget)}"]
+        return "\n".join(out)
+    t = result.report.train
+    names = result.plan
+    shown = (", ".join(names[:6]) + (f" ... ({len(names)} modules)" if len(names) > 6 else "")
+             ) if names else "(nothing)"
+    rows = []
+    for label, f in (("peak", "peak"), ("saved for backward", "saved_activations"),
+                     ("activation peak", "activation_peak")):
+        a, b = getattr(bstep, f), getattr(t, f)
+        rows.append([label] + ([human(_val(bstep, a, point)), human(_val(t, b, point))]
+                               if point is not None else [short(a), short(b)]))
+    out += ["", f"Plan {plan}: checkpoint {shown}",
+            tabulate(rows, headers=["", "no checkpointing", "with the plan"]),
+            "(formulas: --json)" if point is not None else ""]
+    if point is not None:
+        rc, tot = _val(t, result.recompute_flops, point), _val(t, result.step_flops, point)
+        out.append(f"recompute: {_flops_text(rc)} of {_flops_text(tot)} per step "
+                   f"({rc / tot:.1%})" if tot else "recompute: -")
+        if budget is not None:
+            p = _val(t, t.peak, point)
+            out.append(f"budget {human(budget)}: " + ("fits" if p <= budget else "does not fit"))
+    if names:
+        out += ["", "Apply it:", "    from strategies.checkpoint import apply_checkpointing",
+                f"    apply_checkpointing(model, {names!r})"]
+    return "\n".join(out)

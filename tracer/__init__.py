@@ -198,7 +198,8 @@ def _map_shapes(run: RunRecord, fn) -> None:
         if isinstance(rec, LeafRecord):
             run.ops[i] = replace(rec, meta=meta(rec.meta))
         else:
-            run.ops[i] = replace(rec, outputs=tuple(meta(m) for m in rec.outputs))
+            run.ops[i] = replace(rec, outputs=tuple(meta(m) for m in rec.outputs),
+                                 flops=fn(rec.flops) if rec.flops else rec.flops)
 
 
 def _in_range(expr: sympy.Expr, user: dict, ranges: dict) -> sympy.Expr:

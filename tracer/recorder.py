@@ -207,6 +207,19 @@ class Recorder(TorchDispatchMode):
                 metas.append(self._meta(t, sid, fresh))
                 self._producer[t] = idx
         self.run.ops.append(OpRecord(idx, name, inputs, tuple(metas), self.module, self.phase,
-                                     node))
+                                     node, _flops(func, args, kwargs, out)))
         self.current_op = None
         return out
+
+
+def _flops(func, args, kwargs, out):
+    """FLOPs of one op by ``torch.utils.flop_counter``'s formulas (0 for ops it has none for)."""
+    from torch.utils.flop_counter import flop_registry
+
+    fn = flop_registry.get(func._overloadpacket)
+    if fn is None:
+        return 0
+    try:
+        return as_expr(fn(*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - a formula that cannot take these args counts nothing
+        return 0

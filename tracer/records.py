@@ -108,6 +108,7 @@ class OpRecord:
     module: str | None
     phase: Phase
     autograd_node: str | None = None
+    flops: object = 0  # sympy: floating-point operations (torch.utils.flop_counter's formulas)
 
 
 @dataclass(frozen=True)

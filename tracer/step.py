@@ -310,6 +310,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             stack.enter_context(fake_mode)
             stack.enter_context(fake_module(model, "cpu", low))
             stack.enter_context(optimizer_defaults_for(device))
+            stack.enter_context(_modes_in_recompute())
             if device == "cuda":
                 from .cuda import cuda_kernels
                 stack.enter_context(cuda_kernels())
@@ -404,6 +405,48 @@ def _register(recorder: Recorder, model: torch.nn.Module, inputs: dict) -> None:
         recorder.register(b, name, Category.BUFFER)
     for name, t in inputs.items():
         recorder.register(t, name, Category.INPUT)
+
+
+@contextlib.contextmanager
+def _modes_in_recompute():
+    """Keep memsim's torch-function modes (CUDA kernel choices, CUDA autocast policy) on in the
+    forward that non-reentrant activation checkpointing recomputes during backward.
+
+    The autograd engine does not carry torch-function modes into backward, so the recomputed
+    forward would otherwise pick CPU kernels (e.g. SDPA's math path) and fail checkpoint's
+    metadata check. The modes active when a checkpointed region runs forward are entered again
+    around its recomputation; a real run has no modes, and its kernel choice is the same both
+    times.
+    """
+    import torch.utils.checkpoint as ckpt
+    from torch.overrides import _get_current_function_mode_stack
+
+    orig = ckpt._checkpoint_without_reentrant_generator
+
+    def generator(fn, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, *rest,
+                  **kwargs):
+        modes = list(_get_current_function_mode_stack())
+
+        def context():
+            fwd, rec = context_fn()
+            stack = contextlib.ExitStack()
+
+            @contextlib.contextmanager
+            def recompute():
+                with rec, stack:
+                    for m in modes:
+                        stack.enter_context(m)
+                    yield
+
+            return fwd, recompute()
+
+        return orig(fn, preserve_rng_state, context, *rest, **kwargs)
+
+    ckpt._checkpoint_without_reentrant_generator = generator
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator = orig
 
 
 @contextlib.contextmanager

@@ -1,0 +1,93 @@
+"""Checkpointing plans: applied for real with torch.utils.checkpoint, re-analysed by tracing, and
+compared with a real CPU run of the same checkpointed model (byte for byte)."""
+
+import functools
+import json
+
+import pytest
+import torch
+
+import zoo
+from oracle import check, predict
+from strategies.checkpoint import (apply_checkpointing, blocks, named_plan, optimal_plan,
+                                   ranking)
+from strategies.cli import main
+from tracer import InputError
+
+GPT = {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])}
+
+
+def tiny():
+    return zoo.TinyGPT(layers=3, sdpa=False)
+
+
+@functools.lru_cache(maxsize=None)
+def plain():
+    return predict(tiny, GPT, inference=False)
+
+
+def with_plan(plan_name):
+    def factory():
+        m = tiny()
+        return apply_checkpointing(m, named_plan(m, plan_name))
+    return factory
+
+
+@pytest.mark.parametrize("plan", ["blocks", "selective"])
+def test_named_plans_match_real_run(plan):
+    report = predict(with_plan(plan), GPT, inference=False)
+    check(report, with_plan(plan), GPT, [{"B": 2, "S": 8}, {"B": 3, "S": 33}])
+    none = plain()
+    pt = {"B": 3, "S": 33}
+    assert report.at(**pt)["train"]["saved_activations"] < \
+        none.at(**pt)["train"]["saved_activations"]
+
+
+def test_plans_name_modules():
+    m = tiny()
+    assert blocks(m) == ["h.0", "h.1", "h.2"]
+    assert named_plan(m, "every:2") == ["h.0", "h.2"]
+    assert named_plan(m, "selective") == [f"h.{i}.attn" for i in range(3)]
+    with pytest.raises(InputError, match="does not have"):
+        apply_checkpointing(m, ["h.9"])
+
+
+_SHARED: dict = {}
+
+
+@pytest.mark.parametrize("frac", [0.95, 0.8])
+def test_optimal_plan_fits_with_fewest_blocks_real_run(frac):
+    with torch.device("meta"):
+        m = tiny()
+    pt = {"B": 4, "S": 40}
+    none = plain()
+    budget = int(none.at(**pt)["train"]["peak"] * frac)
+    res = optimal_plan(m, GPT, pt, budget, device="cpu", base=none, cache=_SHARED)
+    assert res is not None and res.plan == blocks(m)[:len(res.plan)]
+    k = len(res.plan)
+    assert res.report.at(**pt)["train"]["peak"] <= budget
+    if k > 1:  # one block fewer does not fit
+        fewer = _SHARED.get(k - 1)
+        fewer = fewer.report if fewer is not None else predict(
+            lambda: apply_checkpointing(tiny(), blocks(tiny())[:k - 1]), GPT, inference=False)
+        assert fewer.at(**pt)["train"]["peak"] > budget
+    factory = lambda: apply_checkpointing(tiny(), res.plan)  # noqa: E731
+    check(res.report, factory, GPT, [pt])  # the advised plan, run for real
+    assert res.recompute_flops != 0
+
+
+def test_ranking_groups_repeated_blocks():
+    rows = {r.path: r for r in ranking(plain())}
+    assert rows["h.*"].count == 3 and rows["h.*"].type == "Block"
+
+
+def test_cli_checkpoint_json(capsys):
+    args = ["checkpoint", "tests.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",
+            "targets=int64[B,S]", "--device", "cpu", "--at", "B=2,S=16", "--plan", "blocks",
+            "--json"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["plan"] == ["h.0", "h.1"]
+    assert set(doc) >= {"plan", "train", "recompute_flops", "step_flops"}
+    assert doc["recompute_flops"]["bytes"] > 0  # an E: formula and value (FLOPs here)
+    assert main(args[:-3] + ["--plan", "optimal"]) == 2  # optimal needs a budget
