@@ -129,8 +129,10 @@ def _optimizer(name: str):
     return name
 
 
-def _budget(args, report, point):
-    from analysis.budget import Overheads, plan
+def _budget_setup(args, point):
+    """Check the budget options before the (slow) trace: ``(gpu, capacity, overheads)`` or
+    None when no budget is asked for."""
+    from analysis.budget import Overheads
     from analysis.gpus import gpu, load_catalog, parse_memory
 
     if args.gpu_file:
@@ -147,9 +149,7 @@ def _budget(args, report, point):
     device = gpu(args.gpu) if args.gpu else None
     cap = parse_memory(args.memory) if args.memory else None
     ctx = parse_memory(args.cuda_context) if args.cuda_context else None
-    return plan(report, point, gpu=device, capacity=cap, margin=args.margin,
-                overheads=Overheads(fragmentation=args.fragmentation, cuda_context=ctx),
-                batch=args.batch_symbol, seq=args.seq_symbol)
+    return device, cap, Overheads(fragmentation=args.fragmentation, cuda_context=ctx)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -166,13 +166,7 @@ def run(argv: list[str] | None = None) -> int:
     specs = [parse_input(s) for s in args.input]
     point = parse_assignments(args.at, "--at") if args.at else None
     hints = parse_assignments(args.hint, "--hint") if args.hint else None
-    if args.gpu_file:
-        from analysis.gpus import load_catalog
-        load_catalog(args.gpu_file)
-        args.gpu_file = None
-    if args.gpu:
-        from analysis.gpus import gpu
-        gpu(args.gpu)  # an unknown name fails before the (slow) trace
+    setup = _budget_setup(args, point)
     fit = args.cmd == "fit"
     model = load_target(args.target)
     report = analyze(model, {s.name: s for s in specs}, device=args.device,
@@ -180,7 +174,12 @@ def run(argv: list[str] | None = None) -> int:
                          fit or getattr(args, "train", False)),
                      optimizer=_optimizer(args.optimizer), hints=hints,
                      precision=args.precision, accumulate=args.accumulate)
-    budget = _budget(args, report, point)
+    budget = None
+    if setup is not None:
+        from analysis.budget import plan
+        device, cap, overheads = setup
+        budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
+                      overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
     if point is not None:
         shown, spoint = report.for_point(point)
         shown.train and shown.train.check_point(spoint)
@@ -200,20 +199,20 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def _checkpoint(args) -> int:
-    from analysis.budget import Overheads
-    from analysis.gpus import gpu, load_catalog, parse_memory
+    from analysis.gpus import parse_memory
 
     from . import checkpoint as ck
     from .render import checkpoint_json, checkpoint_text
 
     if not args.input:
         raise UsageError("no --input given", hint="e.g. --input input_ids=int64[B,S]")
-    if args.gpu_file:
-        load_catalog(args.gpu_file)
     specs = {s.name: s for s in (parse_input(t) for t in args.input)}
     point = parse_assignments(args.at, "--at") if args.at else None
     hints = parse_assignments(args.hint, "--hint") if args.hint else None
-    device = gpu(args.gpu) if args.gpu else None
+    setup = None if args.budget else _budget_setup(args, point)
+    if args.plan == "optimal" and setup is None and not args.budget:
+        raise UsageError("--plan optimal needs a budget",
+                         hint="give --budget 20GiB, --gpu NAME or --memory SIZE")
     if args.plan == "optimal" and point is None:
         raise UsageError("--plan optimal needs a point", hint="give --at B=...,S=...")
     model = load_target(args.target)
@@ -221,18 +220,12 @@ def _checkpoint(args) -> int:
               precision=args.precision, accumulate=args.accumulate)
     from analysis import analyze
     base = analyze(model, specs, inference=False, **kw)
-    budget = None
-    if args.budget:
-        budget = parse_memory(args.budget)
-    elif device is not None or args.memory:
-        cap = device.bytes if device is not None else parse_memory(args.memory)
-        ctx = parse_memory(args.cuda_context) if args.cuda_context else None
-        budget = ck.budget_bytes(base, point or {}, capacity=cap, margin=args.margin,
-                                 gpu=device, overheads=Overheads(args.fragmentation, ctx))
+    budget = parse_memory(args.budget) if args.budget else None
+    if setup is not None:
+        device, cap, overheads = setup
+        budget = ck.budget_bytes(base, point, capacity=device.bytes if cap is None else cap,
+                                 margin=args.margin, gpu=device, overheads=overheads)
     if args.plan == "optimal":
-        if budget is None:
-            raise UsageError("--plan optimal needs a budget",
-                             hint="give --budget 20GiB, --gpu NAME or --memory SIZE")
         result = ck.optimal_plan(model, specs, point, budget, base=base, **kw)
     else:
         result = ck.evaluate_plan(model, specs, ck.named_plan(model, args.plan), base=base, **kw)
