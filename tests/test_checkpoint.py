@@ -91,3 +91,19 @@ def test_cli_checkpoint_json(capsys):
     assert set(doc) >= {"plan", "train", "recompute_flops", "step_flops"}
     assert doc["recompute_flops"]["bytes"] > 0  # an E: formula and value (FLOPs here)
     assert main(args[:-3] + ["--plan", "optimal"]) == 2  # optimal needs a budget
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,plan", [("llama", "blocks"), ("gpt2", "selective"),
+                                        ("llama", "every:2")])
+def test_hf_plans_match_real_run(model, plan):
+    """apply_checkpointing on Hugging Face layers (called with keyword arguments)."""
+    import test_hf
+    base = getattr(test_hf, model)
+
+    def factory():
+        m = base()
+        return apply_checkpointing(m, named_plan(m, plan))
+
+    report = predict(factory, test_hf.LM, inference=False)
+    check(report, factory, test_hf.LM, [{"B": 2, "S": 5}, {"B": 3, "S": 16}])
