@@ -55,6 +55,9 @@ class Report:
     fixed: dict[str, int] = field(default_factory=dict)
     precision: str = "32-true"
     accumulate: int = 1
+    strategy: dict = field(default_factory=dict)   # set by strategies.analyze
+    ranks: list = field(default_factory=list)      # per-rank figures where ranks differ
+    notes: list = field(default_factory=list)
     _retrace: object = field(default=None, repr=False, compare=False)
     _specialized: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -114,7 +117,7 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
             train: bool = True, inference: bool = True, loss_fn=None, optimizer=None,
             hints: dict[str, int] | None = None, keep_outputs: bool = True,
             limits: dict[str, int] | None = None, precision: str | None = None,
-            accumulate: int = 1) -> Report:
+            accumulate: int = 1, transform=None) -> Report:
     """Trace ``model`` and return the symbolic :class:`Report` of a step.
 
     Parameters
@@ -147,12 +150,16 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
         ``"16-true"`` or ``"bf16-master"`` (see :mod:`tracer.precision`).
     accumulate : int
         Micro-batches per optimizer step (gradient accumulation; default 1).
+    transform : callable, optional
+        Applied to a copy of the model inside each symbolic run (see :func:`tracer.trace`);
+        :mod:`strategies` builds these.
     """
     from tracer import hf
 
     patches, auto_limits = hf.adapt(model, inputs)
     limits = {**auto_limits, **(limits or {})}
-    kw = dict(device=device, hints=hints, limits=limits, patches=patches, precision=precision)
+    kw = dict(device=device, hints=hints, limits=limits, patches=patches, precision=precision,
+              transform=transform)
     tr_step = inf_step = None
     modules: list[ModuleSaved] = []
     other: dict[str, int] = {}
@@ -176,7 +183,8 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
                       inference=inference, loss_fn=loss_fn, optimizer=optimizer,
                       hints={k: v for k, v in (hints or {}).items() if k not in fixed} or None,
                       keep_outputs=keep_outputs, precision=precision, accumulate=accumulate,
-                      limits={k: v for k, v in limits.items() if k not in fixed})
+                      limits={k: v for k, v in limits.items() if k not in fixed},
+                      transform=transform)
         sub.fixed = dict(fixed)
         return sub
 

@@ -1,0 +1,13 @@
+"""strategies: transforms of the model or of the memory plan, the CLI and the report.
+
+>>> from strategies import FSDP, LoRA, TensorParallel, ZeRO, DDP
+>>> ZeRO(stage=3, dp=64).overlap
+True
+"""
+
+from .api import analyze, describe
+from .lora import LoRA, apply_lora
+from .parallel import FSDP, TensorParallel
+from .zero import DDP, ZeRO
+
+__all__ = ["analyze", "describe", "LoRA", "apply_lora", "FSDP", "TensorParallel", "ZeRO", "DDP"]

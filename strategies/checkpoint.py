@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -100,16 +101,18 @@ def apply_checkpointing(model: torch.nn.Module, plan: list[str]) -> torch.nn.Mod
         mod = mods[path]
         if getattr(mod.forward, "_memsim_checkpointed", False):
             continue
-        inner = mod.forward
-
-        @functools.wraps(inner)
-        def forward(*args, _inner=inner, **kwargs):
-            return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False,
-                                                     **kwargs)
-
+        # A partial of the module (not a closure over a bound method): ``copy.deepcopy`` of the
+        # model then checkpoints the copy, as strategies that copy the model need.
+        forward = functools.partial(_checkpointed_forward, mod)
         forward._memsim_checkpointed = True
+        forward.__signature__ = inspect.signature(mod.forward)
         mod.forward = forward
     return model
+
+
+def _checkpointed_forward(mod: torch.nn.Module, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(type(mod).forward, mod, *args, use_reentrant=False,
+                                             **kwargs)
 
 
 def remove_checkpointing(model: torch.nn.Module) -> torch.nn.Module:

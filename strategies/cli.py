@@ -93,6 +93,25 @@ def _add_common(a: argparse.ArgumentParser) -> None:
                    help="allocator reserve, fraction of the allocated peak (default 0.05)")
     b.add_argument("--cuda-context", metavar="SIZE",
                    help="CUDA context size (default: per GPU family, see README)")
+    p = a.add_argument_group("strategies (per rank)")
+    p.add_argument("--dp", type=int, metavar="N", help="data-parallel ranks (with --fsdp, "
+                   "--zero or --ddp)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard over --dp ranks")
+    p.add_argument("--no-reshard", action="store_true",
+                   help="FSDP2 reshard_after_forward=False (ZeRO-2-like)")
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage (modelled)")
+    p.add_argument("--deepspeed", metavar="FILE", help="a DeepSpeed ds_config.json (stage, "
+                   "buckets, precision, offload)")
+    p.add_argument("--offload", choices=("optimizer", "optimizer+params"),
+                   help="ZeRO-Offload to CPU memory")
+    p.add_argument("--ddp", action="store_true", help="DDP buckets over --dp ranks")
+    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel ranks")
+    p.add_argument("--tp-plan", metavar="PAT=STYLE,...",
+                   help="tensor-parallel plan (default: the model's Hugging Face plan)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument("--lora", metavar="r=16,...", help="LoRA: r, alpha, dropout, targets")
+    p.add_argument("--checkpoint", metavar="PLAN", dest="ckpt",
+                   help="activation checkpointing: blocks, selective, every:K")
     b.add_argument("--batch-symbol", default="B", help="the batch-size symbol (default B)")
     b.add_argument("--seq-symbol", default="S", help="the sequence-length symbol (default S)")
 
@@ -127,6 +146,65 @@ def _optimizer(name: str):
     from tracer.optimizers import lookup
     lookup(name)  # an unknown name fails here, before the trace
     return name
+
+
+def _strategy(args) -> dict:
+    """The strategy options as keyword arguments of :func:`strategies.analyze` (checked before
+    the trace)."""
+    from .lora import parse_lora
+    from .parallel import FSDP, TensorParallel
+    from .zero import DDP, ZeRO, load_deepspeed_config
+
+    kw: dict = {}
+    dp = args.dp
+    modes = [f for f in ("fsdp", "zero", "ddp", "deepspeed") if getattr(args, f)]
+    if dp is not None and not modes:
+        raise UsageError("--dp given without --fsdp, --zero, --deepspeed or --ddp",
+                         hint="say how the data-parallel ranks share the model")
+    if modes and dp is None:
+        raise UsageError(f"--{modes[0]} needs --dp N", hint="the number of data-parallel ranks")
+    if args.fsdp:
+        kw["fsdp"] = FSDP(dp=dp, reshard_after_forward=not args.no_reshard)
+    elif args.no_reshard:
+        raise UsageError("--no-reshard is an FSDP option", hint="add --fsdp")
+    if args.deepspeed:
+        z, prec = load_deepspeed_config(args.deepspeed, dp)
+        if z is not None:
+            kw["zero"] = z
+        if prec is not None:
+            if args.precision != "32-true" and args.precision != prec:
+                raise UsageError(f"--precision {args.precision} contradicts {args.deepspeed} "
+                                 f"({prec})")
+            args.precision = prec
+    if args.zero:
+        from dataclasses import replace
+        kw["zero"] = replace(kw["zero"], stage=args.zero) if "zero" in kw else ZeRO(args.zero, dp)
+    if args.offload:
+        if "zero" not in kw:
+            raise UsageError("--offload is a ZeRO option", hint="add --zero 2 or --zero 3")
+        from dataclasses import replace
+        kw["zero"] = replace(kw["zero"], offload_optimizer="cpu",
+                             offload_param="cpu" if "params" in args.offload else None)
+    if args.ddp:
+        kw["ddp"] = DDP(dp=dp)
+    if args.tp:
+        plan = "auto"
+        if args.tp_plan:
+            plan = {}
+            for part in args.tp_plan.split(","):
+                pat, eq, style = part.partition("=")
+                if not eq:
+                    raise UsageError(f"--tp-plan entry {part!r} is not PATTERN=STYLE",
+                                     hint="e.g. --tp-plan 'h.*.attn.c_attn=colwise'")
+                plan[pat.strip()] = style.strip()
+        kw["tp"] = TensorParallel(args.tp, plan, args.sp)
+    elif args.sp or args.tp_plan:
+        raise UsageError("--sp and --tp-plan need --tp N")
+    if args.lora:
+        kw["lora"] = parse_lora(args.lora)
+    if args.ckpt:
+        kw["checkpoint"] = args.ckpt
+    return kw
 
 
 def _budget_setup(args, point):
@@ -167,9 +245,11 @@ def run(argv: list[str] | None = None) -> int:
     point = parse_assignments(args.at, "--at") if args.at else None
     hints = parse_assignments(args.hint, "--hint") if args.hint else None
     setup = _budget_setup(args, point)
+    strategy = _strategy(args)
     fit = args.cmd == "fit"
     model = load_target(args.target)
-    report = analyze(model, {s.name: s for s in specs}, device=args.device,
+    from .api import analyze as analyze_with
+    report = analyze_with(model, {s.name: s for s in specs}, **strategy, device=args.device,
                      train=not args.inference, inference=args.inference or not (
                          fit or getattr(args, "train", False)),
                      optimizer=_optimizer(args.optimizer), hints=hints,
@@ -206,6 +286,9 @@ def _checkpoint(args) -> int:
 
     if not args.input:
         raise UsageError("no --input given", hint="e.g. --input input_ids=int64[B,S]")
+    if _strategy(args):
+        raise UsageError("memsim checkpoint does not take strategy options yet",
+                         hint="use memsim analyze ... --checkpoint PLAN with --fsdp/--tp/--lora")
     specs = {s.name: s for s in (parse_input(t) for t in args.input)}
     point = parse_assignments(args.at, "--at") if args.at else None
     hints = parse_assignments(args.hint, "--hint") if args.hint else None

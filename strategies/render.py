@@ -83,6 +83,11 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None) ->
     doc["modules"] = [{"path": m.path, "type": m.type, "saved": _e(step, m.saved, point)}
                       for m in report.modules]
     doc["other_ops"] = dict(report.other_ops)
+    if report.strategy:
+        doc["strategy"] = dict(report.strategy)
+        doc["ranks"] = list(report.ranks)
+    if report.notes:
+        doc["notes"] = list(report.notes)
     if budget is not None:
         doc["budget"] = budget_json(budget)
     return doc
@@ -158,6 +163,28 @@ def _sweep_text(report, point, b, batch, seq) -> list[str]:
             tabulate(table, headers=[batch] + [str(s) for s in seqs])]
 
 
+def strategy_text(st: dict) -> str:
+    """One line: ``FSDP2 dp=8 (reshard after forward) x TP 2 x LoRA r=16; world size 16``."""
+    parts = []
+    if "fsdp" in st:
+        f = st["fsdp"]
+        parts.append(f"FSDP2 dp={f['dp']} (" + ("reshard after forward" if
+                     f["reshard_after_forward"] else "no reshard after forward") + ")")
+    if "zero" in st:
+        z = st["zero"]
+        off = " + CPU offload" if z.get("offload_optimizer") == "cpu" else ""
+        parts.append(f"DeepSpeed ZeRO-{z['stage']} dp={z['dp']}{off} (modelled)")
+    if "ddp" in st:
+        parts.append(f"DDP dp={st['ddp']['dp']}")
+    if "tp" in st:
+        parts.append(f"TP {st['tp']['tp']}" + (" + SP" if st["tp"]["sequence_parallel"] else ""))
+    if "lora" in st:
+        parts.append(f"LoRA r={st['lora']['r']}")
+    if "checkpoint" in st:
+        parts.append(f"checkpointing {st['checkpoint']}")
+    return " x ".join(parts or ["none"]) + f"; world size {st.get('world_size', 1)}"
+
+
 def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, budget=None,
             full: Report | None = None, full_point: dict | None = None, batch: str = "B",
             seq: str = "S") -> str:
@@ -168,6 +195,9 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
            f"formulas in bytes, valid for {_range_text(report)}"
            + (f"; evaluated at {', '.join(f'{k}={v}' for k, v in {**report.fixed, **point}.items())}"
               if point is not None else "")]
+    if report.strategy:
+        out.append("strategy: " + strategy_text(report.strategy))
+        out += [f"  note: {n}" for n in report.notes]
     if report.fixed:
         fixed = ", ".join(f"{k}={v}" for k, v in report.fixed.items())
         out.append(f"traced on its own with {fixed} fixed (a size below the general formula's "

@@ -117,7 +117,7 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
           loss_fn: LossFn | None = None, optimizer: OptimizerFactory | None = None,
           hints: dict[str, int] | None = None, keep_outputs: bool = True,
           limits: dict[str, int] | None = None, patches=None, precision=None,
-          accumulate: int = 1) -> Trace:
+          accumulate: int = 1, transform=None) -> Trace:
     """Run ``model`` symbolically and return its :class:`Trace`.
 
     Parameters
@@ -137,6 +137,9 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
         A mode of :mod:`tracer.precision` (default ``"32-true"``).
     accumulate : int
         Micro-batches per optimizer step (gradient accumulation).
+    transform : callable, optional
+        ``transform(model)`` applied to a copy of the model with fake parameters, inside the
+        symbolic run and before the optimizer is built (see :mod:`strategies`).
     """
     if device not in DEVICES:
         raise InputError(f"unknown device {device!r}", hint=f"use one of {', '.join(DEVICES)}")
@@ -154,7 +157,8 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
     run, shape_env, table = run_step(model, specs, device=device, hints=hint_map, train=train,
                                      loss_fn=loss_fn, optimizer=optimizer, constants=constants,
                                      keep_outputs=keep_outputs, patches=patches,
-                                     precision=precision, accumulate=accumulate)
+                                     precision=precision, accumulate=accumulate,
+                                     transform=transform)
     user = {n: symbol(n) for n in table.raw}
     to_user = {raw: user[n] for n, raw in table.raw.items()}
     ranges, guards = _validity(shape_env, table, to_user, limits or {}, run.specialized)

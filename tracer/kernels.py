@@ -130,3 +130,21 @@ def _batch_norm(recorder, func, args, kwargs):
     mean = torch.empty((c,), dtype=torch.float32, device=x.device)
     invstd = torch.empty((c,), dtype=torch.float32, device=x.device)
     return out, mean, invstd
+
+
+def _functional(name: str):
+    ns = getattr(torch.ops, "_c10d_functional", None)
+    try:
+        return getattr(ns, name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+if _functional("wait_tensor") is not None:
+    @register_rule(_functional("wait_tensor"),
+                   doc="_c10d_functional.wait_tensor returns its input (the real kernel waits "
+                       "and aliases it; the fake kernel allocates a copy)")
+    def _wait_tensor(recorder, func, args, kwargs):
+        """Waiting on a collective's result allocates nothing: the output is the input."""
+        func(*args, **kwargs)
+        return args[0]

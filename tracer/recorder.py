@@ -11,6 +11,7 @@ The same pass records each op (inputs, outputs, module path, phase) for the fx /
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import sympy
@@ -21,6 +22,22 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .records import Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage, TensorMeta
 from .rules import lookup_rule
+
+
+# Op namespaces whose memory the tests check against real runs: ATen, and the collectives and
+# FSDP2 copies of torch.distributed (gloo runs in tests/test_parallel.py).
+CHECKED_NAMESPACES = ("aten", "prims", "prim", "profiler", "_c10d_functional", "c10d", "fsdp")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns memory: a DTensor's local shard, any other tensor itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def _is_wrapper(t) -> bool:
+    """A tensor subclass that dispatches to ops on inner tensors (DTensor), not a FakeTensor."""
+    return isinstance(t, torch.Tensor) and hasattr(t, "_local_tensor")
 
 
 def as_expr(value) -> sympy.Expr:
@@ -65,6 +82,7 @@ class Recorder(TorchDispatchMode):
         return self.module_stack[-1] if self.module_stack else None
 
     def _track(self, t: torch.Tensor, op: str, category: Category) -> tuple[int, bool]:
+        t = local(t)
         st = t.untyped_storage()
         key = id(st)
         sid = self._live.get(key)
@@ -104,9 +122,28 @@ class Recorder(TorchDispatchMode):
                 self._live[key] = nsid
                 break
 
+    @contextlib.contextmanager
+    def watch_resizes(self):
+        """Record ``UntypedStorage.resize_`` calls as they happen (FSDP2 frees and re-allocates
+        unsharded parameters this way): a storage method does not reach the dispatch mode."""
+        orig = torch.UntypedStorage.resize_
+
+        def resize_(st, size):
+            out = orig(st, size)
+            sid = self._live.get(id(st))
+            if sid is not None:
+                self._check_resize(st, sid)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = orig
+
     def sid_of(self, t: torch.Tensor) -> int | None:
         """The storage id of a tensor, if its storage is tracked and alive."""
-        return self._live.get(id(t.untyped_storage()))
+        return self._live.get(id(local(t).untyped_storage()))
 
     def _meta(self, t: torch.Tensor, sid: int, fresh: bool) -> TensorMeta:
         return TensorMeta(tuple(as_expr(d) for d in t.shape), str(t.dtype).removeprefix("torch."),
@@ -182,9 +219,19 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = str(func)
         self.current_op = name
-        rule = lookup_rule(func, self.device)
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if any(_is_wrapper(t) for t in flat_in):
+            # A DTensor op: let DTensor run it; the ops on local shards it issues come back here
+            # and are recorded once (the wrapper itself owns no memory).
+            self.current_op = None
+            return NotImplemented
+        rule = lookup_rule(func, self.device)
         inputs = tuple(self._input_index(t) for t in flat_in)
+        if any(t.device.type == "meta" for t in flat_in):
+            # Meta tensors are not the run's (every run tensor is a fake CPU tensor): DTensor's
+            # sharding propagation computing output shapes under its own fake mode.
+            self.current_op = None
+            return func(*args, **kwargs)
         if rule is not None:
             out = rule(self, func, args, kwargs)
         else:
@@ -192,7 +239,7 @@ class Recorder(TorchDispatchMode):
         if self.shape_env is not None and len(self.shape_env.replacements) != self._n_repl:
             self._note_specialization(name)
         ns = func.namespace
-        if ns not in ("aten", "prims", "prim", "profiler") and any(
+        if ns not in CHECKED_NAMESPACES and any(
                 isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
             self.run.other_ops[name] = self.run.other_ops.get(name, 0) + 1
         node = None

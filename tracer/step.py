@@ -281,7 +281,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
              hints: dict[str, int], train: bool, loss_fn: LossFn | None = None,
              optimizer: OptimizerFactory | None = None, constants: dict | None = None,
              keep_outputs: bool = True, patches: Callable | None = None,
-             precision=None, accumulate: int = 1
+             precision=None, accumulate: int = 1, transform: Callable | None = None
              ) -> tuple[RunRecord, ShapeEnv, SymbolTable]:
     """Run one training step (``train=True``) or one inference forward symbolically.
 
@@ -299,6 +299,9 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
     low = prec.param_dtype if prec.param_dtype != torch.float32 else None
     constants = dict(constants or {})
     check_inputs(model, [s.name for s in specs] + list(constants))
+    if transform is not None:
+        import copy
+        model = copy.deepcopy(model)
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     recorder = Recorder(device)
@@ -316,6 +319,8 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
                 stack.enter_context(cuda_kernels())
             if patches is not None:
                 stack.enter_context(patches())
+            if transform is not None:
+                transform(model)
             inputs, symbols = make_inputs(specs, shape_env, hints, "cpu", low)
             model.train(train)
             params = [p for p in dict.fromkeys(model.parameters())]
@@ -325,6 +330,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             opt = factory(trainable) if train else None
             scaler = torch.amp.GradScaler("cpu") if train and prec.scaler else None
             stack.enter_context(recorder)
+            stack.enter_context(recorder.watch_resizes())
             stack.enter_context(module_tracking(model, recorder))
             stack.enter_context(_no_cuda_autocast())
             stack.enter_context(step_context(prec, device))

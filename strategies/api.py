@@ -1,0 +1,109 @@
+"""One call for a model under a parallel setup: what each rank holds.
+
+>>> import torch
+>>> from strategies import analyze, LoRA
+>>> # analyze(model, inputs, fsdp=FSDP(dp=8), lora=LoRA(r=16), checkpoint="blocks")
+
+Model-level strategies are applied to a copy of the model and traced (LoRA, activation
+checkpointing, then tensor parallelism and FSDP2 inside the symbolic run, with PyTorch's own
+code); plan-level ones (DeepSpeed ZeRO, DDP buckets) are modelled on top of the traced step
+(:mod:`strategies.zero`). The report's figures are one rank's: the rank with the largest peak.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import analysis
+from tracer import StrategyError
+
+from .lora import LoRA, apply_lora
+from .parallel import FSDP, TensorParallel, transform
+from .zero import DDP, ZeRO, ddp_rank, rank_step, zero_rank
+
+__all__ = ["analyze", "describe"]
+
+
+def describe(*, lora=None, fsdp=None, tp=None, zero=None, ddp=None, checkpoint=None) -> dict:
+    """The strategy as plain data (for the JSON document)."""
+    from dataclasses import asdict
+    out = {}
+    for name, cfg in (("lora", lora), ("fsdp", fsdp), ("tp", tp), ("zero", zero), ("ddp", ddp)):
+        if cfg is not None:
+            out[name] = {k: (list(v) if isinstance(v, tuple) else v)
+                         for k, v in asdict(cfg).items()}
+    if checkpoint:
+        out["checkpoint"] = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
+    out["world_size"] = world_size(fsdp=fsdp, tp=tp, zero=zero, ddp=ddp)
+    return out
+
+
+def world_size(*, fsdp=None, tp=None, zero=None, ddp=None) -> int:
+    dp = [c.dp for c in (fsdp, zero, ddp) if c is not None]
+    return (dp[0] if dp else 1) * (tp.tp if tp is not None else 1)
+
+
+def _check(lora, fsdp, tp, zero, ddp):
+    given = [n for n, c in (("fsdp", fsdp), ("zero", zero), ("ddp", ddp)) if c is not None]
+    if len(given) > 1:
+        raise StrategyError(f"{' and '.join(given)} both shard or replicate over the data-"
+                            "parallel ranks; give one", hint="FSDP2 and ZeRO-3 are the same "
+                            "idea; DDP buckets do not exist under ZeRO or FSDP")
+    if zero is not None and tp is not None:
+        raise StrategyError("ZeRO with tensor parallelism is not modelled",
+                            hint="use FSDP (fsdp=FSDP(dp)) with tp: both run PyTorch's code")
+    for name, cfg, typ in (("lora", lora, LoRA), ("fsdp", fsdp, FSDP),
+                           ("tp", tp, TensorParallel), ("zero", zero, ZeRO), ("ddp", ddp, DDP)):
+        if cfg is not None and not isinstance(cfg, typ):
+            raise StrategyError(f"{name}= takes a {typ.__name__}, got {type(cfg).__name__}")
+
+
+def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
+            fsdp: FSDP | None = None, tp: TensorParallel | None = None,
+            zero: ZeRO | None = None, ddp: DDP | None = None, checkpoint=None,
+            **kw) -> analysis.Report:
+    """:func:`analysis.analyze` under a strategy; ``kw`` as there.
+
+    ``checkpoint``: a named plan (``"blocks"``, ``"selective"``, ``"every:K"``) or module paths.
+    """
+    from .checkpoint import apply_checkpointing, named_plan
+
+    _check(lora, fsdp, tp, zero, ddp)
+    if lora is not None:
+        model = apply_lora(model, lora)
+    plan = None
+    if checkpoint:
+        plan = named_plan(model, checkpoint) if isinstance(checkpoint, str) else list(checkpoint)
+    sharding = transform(fsdp, tp)
+
+    def apply(m):
+        if plan:
+            apply_checkpointing(m, plan)
+        if sharding is not None:
+            sharding(m)
+
+    report = analysis.analyze(model, inputs, transform=apply if (plan or sharding) else None,
+                              **kw)
+    strategy = describe(lora=lora, fsdp=fsdp, tp=tp, zero=zero, ddp=ddp, checkpoint=checkpoint)
+
+    def finish(report: analysis.Report) -> analysis.Report:
+        report.strategy = dict(strategy)
+        if fsdp is not None or tp is not None:
+            report.notes.append("per-rank figures of rank 0, traced with PyTorch's own FSDP2 / "
+                                "tensor-parallel code on a fake process group; ranks are equal "
+                                "(FSDP2 pads shards to one size; uneven TP splits are refused)")
+        for cfg, fn in ((zero, zero_rank), (ddp, ddp_rank)):
+            if cfg is not None and report.train is not None:
+                with torch.device("meta"):
+                    rank = fn(report, model, cfg)
+                report.train = rank_step(report.train, rank)
+                report.notes.extend(rank.notes)
+                report.strategy["buffers"] = {k: str(v) for k, v in rank.buffers.items()}
+                if rank.host != 0:
+                    report.strategy["host_bytes"] = str(rank.host)
+        retrace = report._retrace
+        if retrace is not None:
+            report._retrace = lambda fixed: finish(retrace(fixed))
+        return report
+
+    return finish(report)

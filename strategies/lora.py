@@ -1,0 +1,196 @@
+"""LoRA: low-rank adapters on frozen base weights, applied to the model before it is traced.
+
+:func:`apply_lora` returns a copy of the model (on the meta device, nothing materialized) in
+which every target layer ``y = base(x)`` becomes ``y = base(x) + B(A(dropout(x))) * alpha / r``
+as Hugging Face peft computes it, and every parameter except the adapters is frozen
+(``requires_grad=False``; peft's default ``bias="none"``). The memory then follows from the
+trace, not from a rule: frozen weights get no gradient and no optimizer state, a frozen layer
+whose input needs no gradient saves nothing for a weight gradient, and the adapters save their
+own (B, S, r) intermediates.
+
+Targets (``LoRA.targets``) are module-name patterns matched against the end of each module's
+path (``"q_proj"`` matches ``model.layers.0.self_attn.q_proj``; ``"re:..."`` is a regular
+expression on the whole path). The default ``"attention"`` takes every linear layer inside an
+attention module (a module whose own name contains ``attn`` or ``attention``): q/k/v/o in
+Llama, ``c_attn`` and ``c_proj`` in GPT-2. ``"all-linear"`` takes every linear layer except the
+output head (peft's ``all-linear``).
+
+>>> import torch
+>>> class Attn(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.q_proj, self.o_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+...     def forward(self, x):
+...         return self.o_proj(self.q_proj(x))
+>>> net = torch.nn.Sequential(Attn(), torch.nn.Linear(8, 2))
+>>> with torch.device("meta"):
+...     m = apply_lora(net, LoRA(r=4))
+>>> sorted(n for n, p in m.named_parameters() if p.requires_grad)
+['0.o_proj.lora_A.weight', '0.o_proj.lora_B.weight', '0.q_proj.lora_A.weight', '0.q_proj.lora_B.weight']
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tracer import StrategyError
+
+__all__ = ["LoRA", "LoRALayer", "apply_lora", "lora_targets", "parse_lora"]
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """LoRA settings (peft's ``LoraConfig`` names).
+
+    r : int
+        Rank of the adapters.
+    alpha : float
+        Scaling numerator (the update is scaled by ``alpha / r``); default ``2 * r``.
+    dropout : float
+        Dropout on the adapter's input (peft's ``lora_dropout``); > 0 keeps a mask.
+    targets : tuple of str or str
+        ``"attention"`` (default), ``"all-linear"``, or module-name patterns.
+    """
+
+    r: int = 8
+    alpha: float | None = None
+    dropout: float = 0.0
+    targets: tuple[str, ...] | str = "attention"
+
+    def __post_init__(self):
+        if not isinstance(self.r, int) or self.r < 1:
+            raise StrategyError(f"LoRA rank r={self.r!r} must be an int >= 1",
+                                hint="e.g. LoRA(r=16) or --lora r=16")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise StrategyError(f"LoRA dropout={self.dropout!r} must be in [0, 1)")
+        if isinstance(self.targets, list):
+            object.__setattr__(self, "targets", tuple(self.targets))
+
+    @property
+    def scaling(self) -> float:
+        return (self.alpha if self.alpha is not None else 2 * self.r) / self.r
+
+
+def _in_out(mod: torch.nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of a linear layer: ``nn.Linear`` or HF's GPT-2 ``Conv1D``
+    (weight stored as (in, out))."""
+    if isinstance(mod, torch.nn.Linear):
+        return mod.in_features, mod.out_features
+    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "weight"):
+        return mod.weight.shape[0], mod.nf
+    return None
+
+
+class LoRALayer(torch.nn.Module):
+    """``base(x) + lora_B(lora_A(dropout(x))) * scaling``, with ``base`` frozen."""
+
+    def __init__(self, base: torch.nn.Module, r: int, scaling: float, dropout: float):
+        super().__init__()
+        fan_in, fan_out = _in_out(base)
+        w = base.weight
+        self.base_layer = base
+        self.lora_A = torch.nn.Linear(fan_in, r, bias=False, device=w.device, dtype=w.dtype)
+        self.lora_B = torch.nn.Linear(r, fan_out, bias=False, device=w.device, dtype=w.dtype)
+        self.lora_dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        self.scaling = scaling
+
+    def forward(self, x):
+        out = self.base_layer(x)
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+def _head_names(model: torch.nn.Module) -> set[str]:
+    """The output head(s): a linear layer whose weight is tied to an embedding, or whose output
+    size is an embedding's vocabulary (``lm_head``)."""
+    emb = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    vocab = {m.num_embeddings for m in emb}
+    tied = {id(m.weight) for m in emb}
+    out = set()
+    for name, mod in model.named_modules():
+        io = _in_out(mod)
+        if io and (id(mod.weight) in tied or io[1] in vocab):
+            out.add(name)
+    return out
+
+
+def lora_targets(model: torch.nn.Module, targets) -> list[str]:
+    """Paths of the modules ``targets`` selects (see the module docstring)."""
+    linear = [n for n, m in model.named_modules() if _in_out(m) is not None and n]
+    if targets == "attention":
+        mods = dict(model.named_modules())
+
+        def is_attn(path: str) -> bool:
+            words = (path.rsplit(".", 1)[-1], type(mods[path]).__name__)
+            return any("attn" in w.lower() or "attention" in w.lower() for w in words)
+
+        parts = lambda n: [".".join(n.split(".")[:i]) for i in range(1, n.count(".") + 1)]
+        found = [n for n in linear if any(is_attn(a) for a in parts(n))]
+        if not found:
+            raise StrategyError(
+                "LoRA targets 'attention': no linear layer inside a module named (or of a "
+                "class named) *attn* or *attention*", hint="name the target modules, e.g. targets=('q_proj', 'v_proj')"
+                " or --lora r=8,targets=q_proj+v_proj, or use 'all-linear'")
+        return found
+    if targets == "all-linear":
+        heads = _head_names(model)
+        return [n for n in linear if n not in heads]
+    if isinstance(targets, str):
+        targets = (targets,)
+    out = []
+    for pat in targets:
+        if pat.startswith("re:"):
+            rx = re.compile(pat[3:])
+            hit = [n for n in linear if rx.fullmatch(n)]
+        else:
+            hit = [n for n in linear if n == pat or n.endswith("." + pat)]
+        if not hit:
+            near = sorted({n.rsplit(".", 1)[-1] for n in linear})
+            raise StrategyError(f"LoRA target {pat!r} matches no linear layer of the model",
+                                hint=f"linear layer names: {', '.join(near[:20])}")
+        out.extend(h for h in hit if h not in out)
+    return out
+
+
+def apply_lora(model: torch.nn.Module, lora: LoRA) -> torch.nn.Module:
+    """A copy of ``model`` with LoRA adapters on the targets and everything else frozen.
+
+    The copy shares nothing with ``model``; on the meta device it costs no memory.
+    """
+    m = copy.deepcopy(model)
+    names = lora_targets(m, lora.targets)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    mods = dict(m.named_modules())
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = mods[parent_name] if parent_name else m
+        setattr(parent, child, LoRALayer(mods[name], lora.r, lora.scaling, lora.dropout))
+    return m
+
+
+def parse_lora(text: str) -> LoRA:
+    """``r=16,alpha=32,dropout=0.05,targets=q_proj+v_proj`` (``--lora`` on the command line)."""
+    from tracer import UsageError
+
+    kw: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, val = part.partition("=")
+        if not eq:
+            raise UsageError(f"--lora {text!r}: expected key=value, got {part!r}",
+                             hint="e.g. --lora r=16,alpha=32,targets=q_proj+v_proj")
+        key = key.strip()
+        if key not in ("r", "alpha", "dropout", "targets"):
+            raise UsageError(f"--lora: unknown key {key!r}",
+                             hint="keys: r, alpha, dropout, targets")
+        if key == "targets":
+            kw[key] = val if val in ("attention", "all-linear") else tuple(val.split("+"))
+            continue
+        try:
+            kw[key] = int(val) if key == "r" else float(val)
+        except ValueError as e:
+            raise UsageError(f"--lora {key}={val!r}: not a number") from e
+    return LoRA(**kw)

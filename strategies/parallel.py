@@ -1,0 +1,261 @@
+"""FSDP2 and tensor parallelism, applied with PyTorch's own code on a fake process group.
+
+memsim does not re-implement sharding. Each symbolic run builds a *fake* process group of the
+requested world size (``torch.testing._internal.distributed.fake_pg``: collectives are no-ops
+that return tensors of the right shapes) and applies ``torch.distributed.fsdp.fully_shard`` and
+``torch.distributed.tensor.parallel.parallelize_module`` to a copy of the model, on fake
+parameters, before the step runs. Every all-gather buffer, unsharded parameter, reduce-scatter
+output and sharded optimizer state is then a storage of the run, allocated and released where
+FSDP2 and DTensor allocate and release it (``UntypedStorage.resize_`` included). The figures are
+those of one rank (the run is rank 0's: with uneven shards, the ranks that get the rounded-up
+shard, which is the largest; see :func:`rank_note`).
+
+>>> FSDP(dp=8)
+FSDP(dp=8, reshard_after_forward=True, units='blocks', param_dtype=None, reduce_dtype=None)
+>>> TensorParallel(tp=2).plan
+'auto'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+
+from tracer import StrategyError
+
+__all__ = ["FSDP", "TensorParallel", "transform", "process_group", "tp_plan", "PLAN_STYLES"]
+
+PLAN_STYLES = ("colwise", "rowwise", "sequence")
+
+
+@dataclass(frozen=True)
+class FSDP:
+    """FSDP2 (``fully_shard``) over ``dp`` ranks.
+
+    reshard_after_forward : bool
+        True frees each unit's unsharded parameters after its forward and gathers them again in
+        backward (ZeRO-3-like); False keeps them to the end of backward (ZeRO-2-like).
+    units : "blocks" or tuple of str
+        The modules wrapped with their own ``fully_shard`` (then the root): ``"blocks"`` (see
+        :func:`fsdp_units`) or module paths.
+    param_dtype, reduce_dtype : str, optional
+        ``MixedPrecisionPolicy``: e.g. ``"bfloat16"`` parameters for compute, fp32 reduction.
+    """
+
+    dp: int
+    reshard_after_forward: bool = True
+    units: str | tuple[str, ...] = "blocks"
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise StrategyError(f"FSDP dp={self.dp!r} must be an int >= 1")
+        if isinstance(self.units, list):
+            object.__setattr__(self, "units", tuple(self.units))
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Tensor parallelism over ``tp`` ranks (``parallelize_module``).
+
+    plan : "auto" or dict
+        ``{module-name pattern: "colwise" | "rowwise" | "sequence"}`` (``*`` matches one path
+        component, as in Hugging Face's ``base_model_tp_plan``); ``"auto"`` takes the model's
+        own Hugging Face plan (Llama, Mistral, Qwen... publish one) or fails naming the model.
+    sequence_parallel : bool
+        Also shard the norms and the activations between the parallel regions along the
+        sequence (Megatron's sequence parallelism): the norms get ``SequenceParallel`` and the
+        parallel regions take and give sequence-sharded activations.
+    """
+
+    tp: int
+    plan: str | dict = "auto"
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise StrategyError(f"TensorParallel tp={self.tp!r} must be an int >= 1")
+
+
+# -- the fake process group ---------------------------------------------------------------------
+_WORLD: dict = {}
+
+
+def process_group(world: int):
+    """A fake default process group of ``world`` ranks (this process is rank 0)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if _WORLD.get("size") == world and dist.get_backend() == "fake":
+            return
+        if _WORLD.get("size") is None:
+            raise StrategyError(
+                "a real torch.distributed process group is already initialized in this "
+                "process; memsim simulates ranks with its own fake group",
+                hint="run the analysis in a process without init_process_group")
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    _WORLD["size"] = world
+
+
+def _mesh(dp: int, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    process_group(dp * tp)
+    if tp == 1:
+        return init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",)), None
+    if dp == 1:
+        return None, init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
+# -- tensor-parallel plans ----------------------------------------------------------------------
+def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
+    """The plan as ``{module path: style}`` for the modules of ``model`` it matches."""
+    plan = tp.plan
+    if plan == "auto":
+        cfg = getattr(model, "config", None)
+        plan = getattr(cfg, "base_model_tp_plan", None)
+        if not plan:
+            raise StrategyError(
+                f"{type(model).__name__} has no built-in tensor-parallel plan",
+                hint="give one: TensorParallel(tp, plan={'layers.*.attn.q': 'colwise', ...}) "
+                     "or --tp-plan 'layers.*.attn.q=colwise,...'")
+        prefix = getattr(model, "base_model_prefix", "")
+        if prefix and hasattr(model, prefix):
+            plan = {f"{prefix}.{k}": v for k, v in plan.items()}
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, str] = {}
+    for pat, style in plan.items():
+        style = style.replace("_parallel", "").replace("parallel", "") or style
+        if style not in PLAN_STYLES:
+            raise StrategyError(f"tensor-parallel plan {pat!r}: style {style!r} is not one of "
+                                f"{', '.join(PLAN_STYLES)}")
+        rx = fnmatch.translate(pat).replace(".*", "[^.]*")
+        import re
+        hit = [n for n in names if re.fullmatch(rx, n)]
+        if not hit:
+            raise StrategyError(f"tensor-parallel plan entry {pat!r} matches no module",
+                                hint="patterns match module paths; * stands for one component")
+        for n in hit:
+            out[n] = style
+    _check_divisible(model, out, tp.tp)
+    return out
+
+
+def _check_divisible(model: torch.nn.Module, plan: dict[str, str], t: int) -> None:
+    mods = dict(model.named_modules())
+    cfg = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads", "n_head"):
+        n = getattr(cfg, key, None)
+        if isinstance(n, int) and n % t:
+            raise StrategyError(f"tensor-parallel degree {t} does not divide {key}={n}",
+                                hint=f"choose tp among the divisors of {n}")
+    for name, style in plan.items():
+        m = mods[name]
+        if style == "sequence":
+            continue
+        if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            raise StrategyError(f"tensor-parallel plan: {name} is a {type(m).__name__}; "
+                                "colwise/rowwise shard nn.Linear and nn.Embedding only")
+        size = m.weight.shape[0] if style == "colwise" else m.weight.shape[1]
+        if isinstance(m, torch.nn.Embedding):
+            size = m.weight.shape[1] if style == "colwise" else m.weight.shape[0]
+        if size % t:
+            raise StrategyError(f"tensor-parallel degree {t} does not divide {name}'s "
+                                f"{'output' if style == 'colwise' else 'input'} size {size}",
+                                hint="uneven shards are not modelled")
+
+
+def _styles(plan: dict[str, str], sp: bool):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel)
+
+    out = {}
+    for name, style in plan.items():
+        if style == "colwise":
+            out[name] = ColwiseParallel(input_layouts=Shard(1)) if sp else ColwiseParallel()
+        elif style == "rowwise":
+            out[name] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+        else:
+            out[name] = SequenceParallel()
+    return out
+
+
+# -- the transform ------------------------------------------------------------------------------
+def transform(fsdp: FSDP | None = None, tp: TensorParallel | None = None):
+    """The ``transform(model)`` for :func:`analysis.analyze` that applies TP then FSDP2."""
+    if fsdp is None and tp is None:
+        return None
+    dp_mesh, tp_mesh = _mesh(fsdp.dp if fsdp else 1, tp.tp if tp else 1)
+
+    def apply(model: torch.nn.Module) -> None:
+        if tp is not None and tp.tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+            plan = tp_plan(model, tp)
+            with _quiet():
+                parallelize_module(model, tp_mesh, _styles(plan, tp.sequence_parallel))
+        if fsdp is not None:
+            _shard(model, fsdp, dp_mesh)
+
+    return apply
+
+
+def fsdp_units(model: torch.nn.Module) -> list[str]:
+    """The default FSDP units: modules of a Hugging Face model's ``_no_split_modules`` classes
+    (its decoder layers), else the repeated blocks (:func:`strategies.checkpoint.blocks`), else
+    the children of a ``Sequential`` root."""
+    from .checkpoint import blocks
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [n for n, m in model.named_modules() if n and type(m).__name__ in names]
+        if found:
+            return found
+    found = blocks(model)
+    if not found and isinstance(model, torch.nn.Sequential):
+        found = [n for n, _ in model.named_children()]
+    return found
+
+
+def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    units = fsdp_units(model) if fsdp.units == "blocks" else list(fsdp.units)
+    mods = dict(model.named_modules())
+    for u in units:
+        if u not in mods:
+            raise StrategyError(f"FSDP unit {u!r} is not a module of the model",
+                                hint="units are module paths, e.g. 'model.layers.0'")
+    kw = {}
+    if fsdp.param_dtype or fsdp.reduce_dtype:
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=_dtype(fsdp.param_dtype), reduce_dtype=_dtype(fsdp.reduce_dtype))
+    for u in units:
+        fully_shard(mods[u], mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **kw)
+
+
+def _dtype(name: str | None):
+    if name is None:
+        return None
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise StrategyError(f"FSDP mixed precision: unknown dtype {name!r}",
+                            hint="e.g. bfloat16, float16, float32")
+    return dt
+
+
+@contextlib.contextmanager
+def _quiet():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

@@ -1,0 +1,746 @@
+"""Measurement oracle for distributed training memory: a REAL step on CPU, N gloo ranks on loopback.
+
+Each rank runs, in a fresh process, the steady-state training step (after warm-up steps, so that
+gradients and optimizer state exist)::
+
+    opt.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    loss = loss_fn(out)          # out.loss, else out if 0-dim, else first float tensor .sum()
+    loss.backward()
+    opt.step()
+
+and counts live tensor storages: a ``TorchDispatchMode`` adds each new untyped storage an op
+returns and a ``weakref.finalize`` on the storage subtracts it when it is released. Everything
+reachable at the start (parameters, gradients of the warm-up step, optimizer state, buffers,
+inputs, FSDP2's internal buffers, any other live tensor the garbage collector can see) is
+registered before ``zero_grad``. The peak is the maximum of live bytes during the step.
+
+Strategies (``strategy=`` of :func:`measure`):
+
+* :class:`Plain` -- one process, no process group (the baseline);
+* :class:`FSDP2` -- ``fully_shard`` on each block, then on the root;
+* :class:`TP` -- ``parallelize_module`` with a plan ``{module-path pattern: style}``.
+
+Details that make the numbers exact and repeatable:
+
+* DTensor (and any other wrapper subclass, e.g. ``AsyncCollectiveTensor``) ops are answered with
+  ``NotImplemented`` so that the subclass desugars them into plain local ops, which the mode then
+  sees: shards are counted once, as local tensors. Ops run under a fake mode (DTensor's sharding
+  propagation) are ignored.
+* ``UntypedStorage.resize_`` does not go through dispatch; FSDP2 uses it to allocate and free the
+  unsharded parameters in place. It is patched for the duration of the step; a known storage
+  whose ``nbytes`` changed is also re-read whenever an op returns it.
+* gloo's worker thread may drop the last reference to a collective's buffers a moment after
+  ``wait()`` returns, so the free would land at a random later point of the program. Every
+  ``Work.wait`` and ``_c10d_functional.wait_tensor`` is followed by a short sleep (``settle_s``,
+  1 ms) so the worker finishes first; frees that still arrive on a foreign thread are counted in
+  ``foreign_frees`` (0 in a clean run).
+* Python's cyclic GC is collected before and disabled during the step; each rank sets
+  ``torch.set_num_threads(1)``; every configuration runs in a fresh spawned process.
+
+Memory that never appears as a tensor storage visible to Python dispatch on the rank's main
+thread is not counted: gloo's own scratch buffers, the allocator's overhead, the interpreter.
+
+This file is self-contained (it is the oracle memsim's predictions are tested against) and must
+not import memsim's tracer or analysis packages.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch._guards import active_fake_mode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "Plain", "FSDP2", "TP", "RankMemory", "measure", "measure_step",
+    "mlp_model", "mlp_inputs", "llama_model", "llama_inputs", "LLAMA_TP_PLAN", "default_loss",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Results and strategies
+
+
+@dataclass
+class RankMemory:
+    """Bytes measured on one rank (live untyped storages, local shards only)."""
+
+    rank: int
+    world_size: int
+    peak: int                 # max live bytes during the step
+    start: int                # live bytes before zero_grad (everything registered below)
+    end: int                  # live bytes after opt.step (out and loss still alive if kept)
+    parameters: int           # local parameter storages (FSDP2: padded shards)
+    gradients: int            # local gradient storages at start (from the warm-up step)
+    optimizer_states: int     # local optimizer state storages (AdamW: exp_avg, exp_avg_sq, step)
+    buffers: int
+    inputs: int
+    fsdp_internal: int        # FSDP2 buffers alive at start besides the shards (usually 0 bytes)
+    other: int                # any other live tensor found by gc at start (should be 0)
+    peak_phase: str           # zero_grad / forward / loss / backward / step
+    phase_peaks: dict = field(default_factory=dict)   # max live bytes within each phase
+    other_detail: list = field(default_factory=list)  # what those are (first 10)
+    foreign_frees: int = 0    # frees delivered on a non-main thread (gloo); 0 in a clean run
+    resizes: int = 0          # UntypedStorage.resize_ calls during the step (FSDP2 > 0)
+    untracked_resizes: int = 0  # resize_ of an unknown non-empty storage (should be 0)
+    optimizer: str = ""       # optimizer class and implementation it resolves to
+    step_s: float = 0.0       # wall time of the measured step
+    crosscheck: dict | None = None  # FSDPMemTracker figures for an identical step, if asked
+    log: list = field(default_factory=list)  # (op, live bytes after it), if DIST_ORACLE_LOG=1
+    attempts: int = 1         # runs needed to get one with foreign_frees == 0 (see retries)
+
+
+@dataclass
+class Plain:
+    """No distribution: one process, no process group."""
+
+
+@dataclass
+class FSDP2:
+    """``fully_shard`` applied to each block, then to the root.
+
+    ``blocks``: module paths (``"model.layers.0"``), or a picklable predicate
+    ``(path, module) -> bool``, or ``None``: HF models' ``_no_split_modules`` classes, else the
+    children of the root if it is a ``Sequential``/``ModuleList``, else the children of the
+    first ``ModuleList`` found.
+    """
+
+    blocks: Sequence[str] | Callable[[str, nn.Module], bool] | None = None
+    reshard_after_forward: bool = True
+    mp_policy: Any = None  # torch.distributed.fsdp.MixedPrecisionPolicy, off by default
+
+
+@dataclass
+class TP:
+    """``parallelize_module(model, mesh, plan)``; plan values are style objects or the strings
+    ``"colwise"``, ``"rowwise"``, ``"sequence"``. Keys may use ``*`` (fnmatch per path part)."""
+
+    plan: dict = field(default_factory=lambda: dict(LLAMA_TP_PLAN))
+
+
+# q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms and LM head stay replicated.
+# HF 5.24 LlamaAttention views projections as (*input_shape, -1, head_dim), so the local
+# head count follows the shard width and num_heads needs no per-rank adjustment.
+LLAMA_TP_PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Test models (picklable factories: use functools.partial for arguments)
+
+
+def mlp_model(width: int = 64, hidden: int = 256, blocks: int = 4) -> nn.Module:
+    """``Sequential`` of ``blocks`` x (Linear(width, hidden), GELU, Linear(hidden, width))."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, hidden), nn.GELU(),
+                                         nn.Linear(hidden, width)) for _ in range(blocks)])
+
+
+def mlp_inputs(batch: int = 8, width: int = 64) -> dict:
+    return {"input": torch.randn(batch, width)}
+
+
+def llama_model(attn: str = "eager", layers: int = 2, use_cache: bool = False) -> nn.Module:
+    """Small HF Llama from config (fp32). ``use_cache=False``: no KV cache in training."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, use_cache=use_cache)
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg)
+
+
+def llama_inputs(batch: int = 2, seq: int = 16, vocab: int = 128) -> dict:
+    ids = torch.randint(0, vocab, (batch, seq))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def default_loss(out):
+    """``out.loss`` if present, else ``out`` if 0-dim, else the first float tensor ``.sum()``."""
+    if isinstance(getattr(out, "loss", None), torch.Tensor):
+        return out.loss
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else out.sum()
+    seq = out.to_tuple() if hasattr(out, "to_tuple") else out
+    return next(t for t in tree_flatten(seq)[0]
+                if isinstance(t, torch.Tensor) and t.is_floating_point()).sum()
+
+
+def adamw(params):
+    """Default optimizer: ``torch.optim.AdamW`` with torch defaults (foreach=None, fused=None)."""
+    return torch.optim.AdamW(params)
+
+
+# --------------------------------------------------------------------------------------------
+# Counting live storages
+
+
+def _plain_tensors(t: torch.Tensor):
+    """The plain tensors inside ``t`` (recursing through DTensor and other wrapper subclasses)."""
+    todo, out = [t], []
+    while todo:
+        x = todo.pop()
+        if is_traceable_wrapper_subclass(x):
+            attrs, _ = x.__tensor_flatten__()
+            todo.extend(getattr(x, a) for a in attrs if isinstance(getattr(x, a), torch.Tensor))
+        else:
+            out.append(x)
+    return out
+
+
+def _storages(t: torch.Tensor):
+    for x in _plain_tensors(t):
+        if x.device.type != "meta":
+            yield x.untyped_storage()
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Live bytes of untyped storages; see the module docstring."""
+
+    def __init__(self, settle_s: float = 1e-3):
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.fins: dict[int, weakref.finalize] = {}
+        self.cur = 0
+        self.peak = 0
+        self.phase = "start"
+        self.peak_phase = "start"
+        self.phase_peaks: dict[str, int] = {}
+        self.settle_s = settle_s
+        self.main = threading.get_ident()
+        self.lock = threading.RLock()
+        self.foreign_frees = 0
+        self.untracked_resizes = 0
+        self.resizes = 0
+        self._orig_resize = None
+        self._orig_wait = None
+        self._wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+        self.log = [] if os.environ.get("DIST_ORACLE_LOG") == "1" else None
+
+    # bookkeeping ----------------------------------------------------------------------------
+    def _bump(self):
+        if self.cur > self.peak:
+            self.peak = self.cur
+            self.peak_phase = self.phase
+        if self.cur > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = self.cur
+
+    def set_phase(self, name: str):
+        self.phase = name
+        self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.cur)
+
+    def see(self, st: torch.UntypedStorage) -> int:
+        """Track ``st`` (or re-read its size if known); returns bytes newly added."""
+        key, n = id(st), st.nbytes()
+        with self.lock:
+            old = self.sizes.get(key)
+            if old is not None:
+                if n != old:
+                    self.sizes[key] = n
+                    self.cur += n - old
+                    self._bump()
+                return 0
+            self.sizes[key] = n
+            self.fins[key] = weakref.finalize(st, self._free, key)
+            self.cur += n
+            self._bump()
+            return n
+
+    def track(self, t: torch.Tensor) -> int:
+        return sum(self.see(st) for st in _storages(t))
+
+    def _free(self, key: int):
+        with self.lock:
+            n = self.sizes.pop(key, 0)
+            self.fins.pop(key, None)
+            self.cur -= n
+            if threading.get_ident() != self.main and n:
+                self.foreign_frees += 1
+
+    def _resized(self, st, old_n: int):
+        self.resizes += 1
+        if id(st) not in self.sizes and old_n:
+            # a live storage that was never registered: its bytes before the resize were not
+            # counted, so from here on it counts in full (flagged: should not happen)
+            self.untracked_resizes += 1
+        self.see(st)
+
+    # dispatch ------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor and t is not nn.Parameter for t in types):
+            return NotImplemented  # let DTensor & co. desugar into plain local ops
+        out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is None:  # skip DTensor's sharding propagation under fake mode
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.track(t)
+            if self.log is not None:
+                self.log.append((str(func), self.cur))
+        if func is self._wait_tensor and self.settle_s:
+            time.sleep(self.settle_s)
+        return out
+
+    def __enter__(self):
+        self._orig_resize = orig_resize = torch.UntypedStorage.resize_
+        counter = self
+
+        @functools.wraps(orig_resize)
+        def resize_(st, size):
+            old = st.nbytes()
+            r = orig_resize(st, size)
+            counter._resized(st, old)
+            return r
+
+        torch.UntypedStorage.resize_ = resize_
+        try:
+            from torch._C._distributed_c10d import Work
+        except ImportError:
+            Work = None
+        if Work is not None:
+            self._orig_wait = orig_wait = Work.wait
+
+            def wait(work, *a, **k):
+                r = orig_wait(work, *a, **k)
+                if counter.settle_s:
+                    time.sleep(counter.settle_s)
+                return r
+
+            Work.wait = wait
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        if self._orig_wait is not None:
+            from torch._C._distributed_c10d import Work
+            Work.wait = self._orig_wait
+        return super().__exit__(*exc)
+
+    def close(self):
+        for f in list(self.fins.values()):
+            f.detach()
+        self.fins.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# The measured step (runs inside a rank)
+
+
+def _optimizer_tensors(opt) -> list:
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def _fsdp_internal_tensors(model: nn.Module) -> list:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    out = []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        for fp in group.fsdp_params:
+            for v in vars(fp).values():
+                vs = v if isinstance(v, (list, tuple)) else [v]
+                out += [x for x in vs if isinstance(x, torch.Tensor)]
+    return out
+
+
+def _live_tensors() -> list:
+    with warnings.catch_warnings():  # isinstance() on torch.distributed.reduce_op warns
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+
+
+def _resolved_optimizer(opt) -> str:
+    name = type(opt).__name__
+    d = opt.defaults
+    if d.get("fused"):
+        return f"{name}(fused)"
+    foreach = d.get("foreach")
+    if foreach is None:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+        ps = [p for g in opt.param_groups for p in g["params"]]
+        _, foreach = _default_to_fused_or_foreach(ps, differentiable=False, use_fused=False)
+        return f"{name}(foreach=None -> {'foreach' if foreach else 'for-loop'})"
+    return f"{name}(foreach={foreach})"
+
+
+def _one_step(model, inputs, opt, loss_fn, keep_outputs=True, counter=None):
+    ph = counter.set_phase if counter is not None else (lambda _: None)
+    ph("zero_grad")
+    opt.zero_grad(set_to_none=True)
+    ph("forward")
+    out = model(**inputs)
+    ph("loss")
+    loss = loss_fn(out)
+    if not keep_outputs:
+        del out
+        out = None
+    ph("backward")
+    loss.backward()
+    ph("step")
+    opt.step()
+    ph("end")
+    return out, loss
+
+
+def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=None,
+                 keep_outputs: bool = True, warmup: int = 1, settle_s: float = 1e-3,
+                 rank: int = 0, world_size: int = 1, crosscheck: bool = False) -> RankMemory:
+    """Measure one steady-state step of an already prepared (sharded/parallelized) model in this
+    process. Call it in a fresh process for the ``other`` figure to be meaningful."""
+    loss_fn = loss_fn or default_loss
+    model.train()
+    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    opt = (optimizer_fn or adamw)(params)
+    for _ in range(warmup):
+        out, loss = _one_step(model, inputs, opt, loss_fn)
+        del out, loss
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()
+    c = _StorageCounter(settle_s=settle_s)
+    cats: dict[str, int] = {}
+    try:
+        with c:
+            groups = [
+                ("parameters", list(params) + [p for p in model.parameters()
+                                               if not p.requires_grad]),
+                ("gradients", [p.grad for p in params if p.grad is not None]),
+                ("optimizer_states", _optimizer_tensors(opt)),
+                ("buffers", list(model.buffers())),
+                ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
+                ("fsdp_internal", _fsdp_internal_tensors(model)),
+                ("other", _live_tensors()),
+            ]
+            other_detail = []
+            for name, ts in groups:
+                cats[name] = 0
+                for t in ts:
+                    n = c.track(t)
+                    cats[name] += n
+                    if n and name == "other" and len(other_detail) < 10:
+                        other_detail.append(f"{type(t).__name__}{tuple(t.shape)} {t.dtype} {n} B")
+            del groups, ts, t  # hold no reference: the old gradients must die at zero_grad
+            start = c.cur
+            c.peak, c.peak_phase, c.phase_peaks = start, "start", {"start": start}
+            t0 = time.perf_counter()
+            out, loss = _one_step(model, inputs, opt, loss_fn, keep_outputs, counter=c)
+            step_s = time.perf_counter() - t0
+            end = c.cur
+        del out, loss
+    finally:
+        c.close()
+        if gc_was:
+            gc.enable()
+    result = RankMemory(
+        rank=rank, world_size=world_size, peak=c.peak, start=start, end=end,
+        parameters=cats["parameters"], gradients=cats["gradients"],
+        optimizer_states=cats["optimizer_states"], buffers=cats["buffers"],
+        inputs=cats["inputs"], fsdp_internal=cats["fsdp_internal"], other=cats["other"],
+        other_detail=other_detail,
+        peak_phase=c.peak_phase, phase_peaks=dict(c.phase_peaks),
+        foreign_frees=c.foreign_frees, resizes=c.resizes, untracked_resizes=c.untracked_resizes,
+        optimizer=_resolved_optimizer(opt), step_s=round(step_s, 4), log=c.log or [])
+    if crosscheck:
+        result.crosscheck = _fsdp_mem_tracker_step(model, inputs, opt, loss_fn, keep_outputs)
+    return result
+
+
+def _fsdp_mem_tracker_step(model, inputs, opt, loss_fn, keep_outputs) -> dict:
+    """The same step under PyTorch's FSDPMemTracker (MemTracker for a non-FSDP model)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    gc.collect()
+    if isinstance(model, FSDPModule):
+        mt = FSDPMemTracker(model, opt)
+        mt.track_inputs(tuple(inputs.values()))
+    else:
+        mt = MemTracker()
+        mt.track_external(model, opt, *inputs.values())
+    with mt:
+        start = mt.get_tracker_snapshot("current")
+        out, loss = _one_step(model, inputs, opt, loss_fn, keep_outputs)
+    del out, loss
+    dev = torch.device("cpu")
+    peak = mt.get_tracker_snapshot("peak")
+    return {"tool": type(mt).__name__,
+            "start": int(start.get(dev, {}).get("Total", 0)),
+            "peak": int(peak.get(dev, {}).get("Total", 0)),
+            "peak_by_type": {str(k): int(v) for k, v in peak.get(dev, {}).items()}}
+
+
+# --------------------------------------------------------------------------------------------
+# Strategies applied inside a rank
+
+
+def _auto_blocks(model: nn.Module) -> list[str]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        return [n for n, m in model.named_modules() if type(m).__name__ in names]
+    if isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return [n for n, _ in model.named_children()]
+    for n, m in model.named_modules():
+        if isinstance(m, nn.ModuleList):
+            return [f"{n}.{c}" for c, _ in m.named_children()]
+    return []
+
+
+def _apply_fsdp2(model: nn.Module, mesh, s: FSDP2) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {"mesh": mesh, "reshard_after_forward": s.reshard_after_forward}
+    kw["mp_policy"] = s.mp_policy if s.mp_policy is not None else MixedPrecisionPolicy()
+    if s.blocks is None:
+        paths = _auto_blocks(model)
+    elif callable(s.blocks):
+        paths = [n for n, m in model.named_modules() if n and s.blocks(n, m)]
+    else:
+        paths = list(s.blocks)
+    for p in paths:
+        fully_shard(model.get_submodule(p), **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _style(v):
+    if not isinstance(v, str):
+        return v
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel)
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "sequence": SequenceParallel}[v]()
+
+
+def _apply_tp(model: nn.Module, mesh, s: TP) -> nn.Module:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, mesh, {k: _style(v) for k, v in s.plan.items()})
+
+
+# --------------------------------------------------------------------------------------------
+# Launching ranks
+
+
+@dataclass
+class _Job:
+    model_fn: Callable[[], nn.Module]
+    inputs_fn: Callable[[], dict]
+    strategy: Any
+    world_size: int
+    port: int
+    loss_fn: Any = None
+    optimizer_fn: Any = None
+    keep_outputs: bool = True
+    warmup: int = 1
+    settle_s: float = 1e-3
+    seed: int = 0
+    crosscheck: bool = False
+
+
+def _rank_main(rank: int, job: _Job):
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", job.port, is_master=False, timeout=_timedelta(120))
+    try:
+        distributed = not isinstance(job.strategy, Plain)
+        mesh = None
+        if distributed:
+            dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
+                                    world_size=job.world_size, timeout=_timedelta(120))
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", (job.world_size,))
+        torch.manual_seed(job.seed)  # same weights and inputs on every rank
+        model = job.model_fn()
+        inputs = job.inputs_fn()
+        if isinstance(job.strategy, FSDP2):
+            model = _apply_fsdp2(model, mesh, job.strategy)
+        elif isinstance(job.strategy, TP):
+            model = _apply_tp(model, mesh, job.strategy)
+        r = measure_step(model, inputs, loss_fn=job.loss_fn, optimizer_fn=job.optimizer_fn,
+                         keep_outputs=job.keep_outputs, warmup=job.warmup,
+                         settle_s=job.settle_s, rank=rank, world_size=job.world_size,
+                         crosscheck=job.crosscheck)
+        payload = ("ok", asdict(r))
+    except BaseException:
+        payload = ("error", traceback.format_exc())
+    import json
+    store.set(f"result/{rank}", json.dumps(payload))
+    if not isinstance(job.strategy, Plain) and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _timedelta(s):
+    import datetime
+    return datetime.timedelta(seconds=s)
+
+
+_FORKSERVER_READY = False
+
+
+def _configure_forkserver():
+    """Ranks fork from one server process that imported torch (and, if present, HF Llama)
+    once: ~2 s per 2-rank run instead of ~6-9 s with ``spawn``. Must run before the server
+    starts, i.e. before the first forkserver child of this process."""
+    global _FORKSERVER_READY
+    if _FORKSERVER_READY:
+        return
+    import multiprocessing
+
+    me = "__main__" if __name__ == "__main__" else __name__
+    multiprocessing.set_forkserver_preload([
+        "torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+        "transformers.models.llama.modeling_llama", me])  # ImportErrors are ignored there
+    _FORKSERVER_READY = True
+
+
+def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
+            strategy=None, world_size: int | None = None, loss_fn=None, optimizer_fn=None,
+            keep_outputs: bool = True, warmup: int = 1, settle_s: float = 1e-3, seed: int = 0,
+            crosscheck: bool = False, start_method: str = "forkserver", retries: int = 2,
+            timeout_s: float = 600) -> list[RankMemory]:
+    """Run the step in ``world_size`` fresh processes (1 for :class:`Plain`) and return one
+    :class:`RankMemory` per rank.
+
+    ``model_fn()`` and ``inputs_fn()`` are called in each rank after ``torch.manual_seed(seed)``
+    (identical weights and inputs on all ranks); with the ``spawn`` start method they and
+    ``loss_fn``/``optimizer_fn(params)`` must be picklable (module-level functions or
+    ``functools.partial``). ``crosscheck=True`` runs one more identical step under
+    ``FSDPMemTracker`` (``MemTracker`` when not FSDP2) and stores its figures in
+    ``RankMemory.crosscheck``. A run in which some free arrived on a gloo thread (so not in
+    program order, see ``foreign_frees``) is repeated up to ``retries`` times.
+    """
+    import json
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    strategy = strategy if strategy is not None else Plain()
+    if world_size is None:
+        world_size = 1 if isinstance(strategy, Plain) else 2
+    if isinstance(strategy, Plain) and world_size != 1:
+        raise ValueError("Plain runs on one rank")
+    # the parent hosts the store on a free port picked by the OS: no port race
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=_timedelta(timeout_s))
+    job = _Job(model_fn, inputs_fn, strategy, world_size, store.port, loss_fn, optimizer_fn,
+               keep_outputs, warmup, settle_s, seed, crosscheck)
+    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    if start_method == "forkserver":
+        _configure_forkserver()
+    try:
+        for attempt in range(1, retries + 2):
+            for r in range(world_size):
+                store.delete_key(f"result/{r}")
+            mp.start_processes(_rank_main, args=(job,), nprocs=world_size, join=True,
+                               start_method=start_method)
+            results = []
+            for r in range(world_size):
+                status, data = json.loads(store.get(f"result/{r}"))
+                if status != "ok":
+                    raise RuntimeError(f"rank {r} failed:\n{data}")
+                results.append(RankMemory(**{**data, "attempts": attempt}))
+            if not any(r.foreign_frees for r in results):
+                break
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Demo
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.4f} MiB"
+
+
+def _demo():
+    """Per-rank figures for the reference configurations, each run ``DIST_ORACLE_REPEATS``
+    (default 2) times to check that the figures are identical."""
+    mlp_in = functools.partial(mlp_inputs, batch=8)
+    ll_in = functools.partial(llama_inputs, batch=2, seq=16)
+    configs = [
+        ("MLP plain 1 rank", mlp_model, mlp_in, Plain()),
+        ("MLP FSDP2 2 ranks reshard_after_forward=True", mlp_model, mlp_in,
+         FSDP2(reshard_after_forward=True)),
+        ("MLP FSDP2 2 ranks reshard_after_forward=False", mlp_model, mlp_in,
+         FSDP2(reshard_after_forward=False)),
+        ("Llama plain 1 rank", llama_model, ll_in, Plain()),
+        ("Llama FSDP2 2 ranks reshard_after_forward=True", llama_model, ll_in, FSDP2()),
+        ("Llama TP2", llama_model, ll_in, TP()),
+    ]
+    repeats = int(os.environ.get("DIST_ORACLE_REPEATS", "2"))
+
+    def key(rs):
+        return [(r.peak, r.start, r.end, r.parameters, r.gradients, r.optimizer_states,
+                 r.phase_peaks) for r in rs]
+
+    for name, mf, inf, strat in configs:
+        runs, walls = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runs.append(measure(mf, inf, strategy=strat, crosscheck=True))
+            walls.append(time.perf_counter() - t0)
+        same = all(key(r) == key(runs[0]) for r in runs)
+        print(f"== {name}: wall {', '.join(f'{w:.1f}s' for w in walls)}; "
+              f"repeatable: {same}; attempts {[r[0].attempts for r in runs]}; "
+              f"{runs[0][0].optimizer}")
+        for r in runs[0]:
+            print(f"  rank {r.rank}: peak {r.peak} ({_mib(r.peak)}) in {r.peak_phase}; "
+                  f"start {r.start}; end {r.end}; params {r.parameters} grads {r.gradients} "
+                  f"optim {r.optimizer_states} buffers {r.buffers} inputs {r.inputs} "
+                  f"other {r.other} {r.other_detail}; foreign_frees {r.foreign_frees}; "
+                  f"step {r.step_s:.3f}s")
+            print(f"    phase peaks {r.phase_peaks}")
+            cc = r.crosscheck
+            print(f"    {cc['tool']}: start {cc['start']} peak {cc['peak']}; "
+                  f"ours - other - tool = {r.peak - r.other - cc['peak']}")
+        if not same:
+            for i, rs in enumerate(runs):
+                print(f"  run {i}: {key(rs)}")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _demo()

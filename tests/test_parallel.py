@@ -1,0 +1,121 @@
+"""FSDP2 and tensor parallelism: the prediction (PyTorch's own fully_shard / parallelize_module
+traced on a fake process group) against real 2-rank gloo runs on CPU (tests/dist_oracle.py)."""
+
+import functools
+
+import pytest
+import torch
+
+import dist_oracle as O
+from strategies import FSDP, LoRA, TensorParallel
+from strategies.api import analyze
+from strategies.parallel import tp_plan
+from tracer import StrategyError
+
+pytest.importorskip("torch.distributed.fsdp")
+LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
+MLP = {"input": ("float32", ["B", 64])}
+
+
+def _predict(factory, inputs, **kw):
+    with torch.device("meta"):
+        m = factory()
+    return analyze(m, inputs, device="cpu", inference=False, **kw)
+
+
+def _compare(report, factory, inputs_fn, strategy, point, tol=0.0):
+    real = O.measure(factory, inputs_fn, strategy=strategy)
+    assert len({r.peak for r in real}) == 1, "ranks differ"
+    r = real[0]
+    got = report.at(**point)["train"]
+    # the device mesh keeps its rank layout as a CPU tensor (world_size int32): host memory on
+    # a GPU, not modelled; the oracle counts it under `other`
+    want = r.peak - r.other
+    assert (got["parameters"], got["gradients"], got["optimizer_states"]) == (
+        r.parameters, r.gradients, r.optimizer_states)
+    assert abs(got["peak"] - want) <= tol * want, f"predicted {got['peak']}, measured {want}"
+    return got["peak"], want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp2_mlp_matches_real_gloo_run(reshard):
+    report = _predict(O.mlp_model, MLP, fsdp=FSDP(2, reshard_after_forward=reshard))
+    got, want = _compare(report, O.mlp_model, functools.partial(O.mlp_inputs, batch=8),
+                         O.FSDP2(reshard_after_forward=reshard), {"B": 8})
+    assert got == want  # exact
+
+
+@pytest.mark.slow
+def test_fsdp2_llama_matches_real_gloo_run():
+    report = _predict(O.llama_model, LM, fsdp=FSDP(2))
+    for b, s in ((2, 16), (3, 9)):
+        _compare(report, O.llama_model, functools.partial(O.llama_inputs, batch=b, seq=s),
+                 O.FSDP2(), {"B": b, "S": s}, tol=0.01)
+
+
+@pytest.mark.slow
+def test_tp_llama_within_six_percent_of_real_gloo_run():
+    """Known gap: TP over-predicts the small Llama's backward peak (+5.2% eager, +1.0% sdpa);
+    parameters, gradients and optimizer states are exact."""
+    report = _predict(O.llama_model, LM, tp=TensorParallel(2))
+    got, want = _compare(report, O.llama_model, functools.partial(O.llama_inputs, batch=2,
+                                                                  seq=16), O.TP(),
+                         {"B": 2, "S": 16}, tol=0.06)
+    assert got >= want
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="TP backward over-predicted by ~5% (under investigation)")
+def test_tp_llama_within_one_percent_of_real_gloo_run():
+    report = _predict(O.llama_model, LM, tp=TensorParallel(2))
+    _compare(report, O.llama_model, functools.partial(O.llama_inputs, batch=2, seq=16), O.TP(),
+             {"B": 2, "S": 16}, tol=0.01)
+
+
+def test_fsdp_composes_with_lora_and_checkpointing():
+    plain = _predict(O.llama_model, LM).at(B=2, S=16)["train"]
+    both = _predict(O.llama_model, LM, fsdp=FSDP(2), lora=LoRA(r=4),
+                    checkpoint="blocks").at(B=2, S=16)["train"]
+    assert both["gradients"] < plain["gradients"] / 10
+    assert both["saved_activations"] < plain["saved_activations"]
+
+
+def test_tp_plans_and_errors():
+    with torch.device("meta"):
+        m = O.llama_model()
+    plan = tp_plan(m, TensorParallel(2))
+    assert plan["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.1.mlp.down_proj"] == "rowwise"
+    with pytest.raises(StrategyError, match="does not divide num_key_value_heads=2"):
+        tp_plan(m, TensorParallel(4))
+    with pytest.raises(StrategyError, match="no built-in tensor-parallel plan"):
+        tp_plan(O.mlp_model(), TensorParallel(2))
+    with pytest.raises(StrategyError, match="matches no module"):
+        tp_plan(m, TensorParallel(2, plan={"layers.*.attn.q": "colwise"}))
+    with pytest.raises(StrategyError, match="fsdp and zero"):
+        from strategies import ZeRO
+        analyze(m, LM, fsdp=FSDP(2), zero=ZeRO(3, 2))
+
+
+def test_cli_strategy_json_and_usage_errors(capsys):
+    import json
+
+    from strategies.cli import main
+    target = "examples/nanogpt_block.py:small"
+    args = ["analyze", target, "--input", "x=float32[B,S,64]", "--at", "B=2,S=8",
+            "--device", "cpu", "--train"]
+    assert main(args + ["--fsdp", "--dp", "2", "--lora", "r=4,targets=c_attn", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["strategy"]["fsdp"]["dp"] == 2 and doc["strategy"]["lora"]["r"] == 4
+    assert doc["strategy"]["world_size"] == 2 and doc["notes"]
+    assert main(args + ["--zero", "2", "--dp", "4", "--precision", "bf16-master",
+                        "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["strategy"]["zero"]["stage"] == 2 and "reduce_bucket" in doc["strategy"]["buffers"]
+    for bad, msg in ((["--dp", "2"], "--dp given without"), (["--fsdp"], "--fsdp needs --dp"),
+                     (["--sp"], "--sp and --tp-plan need --tp"),
+                     (["--offload", "optimizer"], "--offload is a ZeRO option"),
+                     (["--lora", "rank=4"], "unknown key")):
+        assert main(args + bad) == 2
+        assert msg in capsys.readouterr().err
