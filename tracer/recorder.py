@@ -71,6 +71,7 @@ class Recorder(TorchDispatchMode):
         self.shape_env = None           # set by the driver: specializations are caught per op
         self.specialized: list[tuple] = []  # (raw symbol, value, op, module, source)
         self._n_repl = 0
+        self._paused = False  # inside DTensor's sharding propagation: ops are not the run's
 
     # -- storages -------------------------------------------------------------------------------
     @property
@@ -121,6 +122,31 @@ class Recorder(TorchDispatchMode):
             if val == sid:
                 self._live[key] = nsid
                 break
+
+    @contextlib.contextmanager
+    def skip_sharding_propagation(self):
+        """Do not record the ops DTensor runs to derive output shapes: a real run runs them on
+        fake tensors (no memory), but here they reuse the run's own fake mode."""
+        try:
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        except ImportError:
+            yield
+            return
+        orig = ShardingPropagator._propagate_tensor_meta_non_cached
+        recorder = self
+
+        def propagate(prop, *args, **kwargs):
+            was, recorder._paused = recorder._paused, True
+            try:
+                return orig(prop, *args, **kwargs)
+            finally:
+                recorder._paused = was
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        try:
+            yield
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = orig
 
     @contextlib.contextmanager
     def watch_resizes(self):
@@ -219,6 +245,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = str(func)
         self.current_op = name
+        if self._paused:
+            return func(*args, **kwargs)
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         if any(_is_wrapper(t) for t in flat_in):
             # A DTensor op: let DTensor run it; the ops on local shards it issues come back here
@@ -227,11 +255,6 @@ class Recorder(TorchDispatchMode):
             return NotImplemented
         rule = lookup_rule(func, self.device)
         inputs = tuple(self._input_index(t) for t in flat_in)
-        if any(t.device.type == "meta" for t in flat_in):
-            # Meta tensors are not the run's (every run tensor is a fake CPU tensor): DTensor's
-            # sharding propagation computing output shapes under its own fake mode.
-            self.current_op = None
-            return func(*args, **kwargs)
         if rule is not None:
             out = rule(self, func, args, kwargs)
         else:

@@ -331,6 +331,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             scaler = torch.amp.GradScaler("cpu") if train and prec.scaler else None
             stack.enter_context(recorder)
             stack.enter_context(recorder.watch_resizes())
+            stack.enter_context(recorder.skip_sharding_propagation())
             stack.enter_context(module_tracking(model, recorder))
             stack.enter_context(_no_cuda_autocast())
             stack.enter_context(step_context(prec, device))
