@@ -67,9 +67,7 @@ class TensorParallel:
         component, as in Hugging Face's ``base_model_tp_plan``); ``"auto"`` takes the model's
         own Hugging Face plan (Llama, Mistral, Qwen... publish one) or fails naming the model.
     sequence_parallel : bool
-        Also shard the norms and the activations between the parallel regions along the
-        sequence (Megatron's sequence parallelism): the norms get ``SequenceParallel`` and the
-        parallel regions take and give sequence-sharded activations.
+        Megatron's sequence parallelism: not supported yet (an error says so).
     """
 
     tp: int
@@ -79,6 +77,10 @@ class TensorParallel:
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise StrategyError(f"TensorParallel tp={self.tp!r} must be an int >= 1")
+        if self.sequence_parallel:
+            raise StrategyError("sequence parallelism is not supported yet",
+                                hint="it needs a plan for the norms and the embedding/head "
+                                     "boundaries; analyse TensorParallel(tp) without it")
 
 
 # -- the fake process group ---------------------------------------------------------------------
@@ -173,20 +175,12 @@ def _check_divisible(model: torch.nn.Module, plan: dict[str, str], t: int) -> No
                                 hint="uneven shards are not modelled")
 
 
-def _styles(plan: dict[str, str], sp: bool):
-    from torch.distributed.tensor import Shard
+def _styles(plan: dict[str, str]):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel)
 
-    out = {}
-    for name, style in plan.items():
-        if style == "colwise":
-            out[name] = ColwiseParallel(input_layouts=Shard(1)) if sp else ColwiseParallel()
-        elif style == "rowwise":
-            out[name] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
-        else:
-            out[name] = SequenceParallel()
-    return out
+    kinds = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+    return {name: kinds[style]() for name, style in plan.items()}
 
 
 # -- the transform ------------------------------------------------------------------------------
@@ -201,7 +195,7 @@ def transform(fsdp: FSDP | None = None, tp: TensorParallel | None = None):
             from torch.distributed.tensor.parallel import parallelize_module
             plan = tp_plan(model, tp)
             with _quiet():
-                parallelize_module(model, tp_mesh, _styles(plan, tp.sequence_parallel))
+                parallelize_module(model, tp_mesh, _styles(plan))
         if fsdp is not None:
             _shard(model, fsdp, dp_mesh)
 

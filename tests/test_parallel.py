@@ -114,3 +114,27 @@ def test_cli_strategy_json_and_usage_errors(capsys):
                      (["--lora", "rank=4"], "unknown key")):
         assert main(args + bad) == 2
         assert msg in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fsdp2_mixed_precision_matches_real_gloo_run():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    report = _predict(O.llama_model, LM, fsdp=FSDP(2, param_dtype="bfloat16"))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for b, s in ((2, 16), (4, 32)):
+        got, want = _compare(report, O.llama_model,
+                             functools.partial(O.llama_inputs, batch=b, seq=s),
+                             O.FSDP2(mp_policy=mp), {"B": b, "S": s})
+        assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="fp32 reduce of bf16 gradients: the real gloo run holds "
+                   "one more layer-sized fp32 buffer at the reduce-scatter (-6.5% at 2 x 16)")
+def test_fsdp2_fp32_reduce_matches_real_gloo_run():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    report = _predict(O.llama_model, LM, fsdp=FSDP(2, param_dtype="bfloat16",
+                                                   reduce_dtype="float32"))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _compare(report, O.llama_model, functools.partial(O.llama_inputs, batch=2, seq=16),
+             O.FSDP2(mp_policy=mp), {"B": 2, "S": 16}, tol=0.01)

@@ -1,0 +1,243 @@
+"""Benchmark: memsim's per-rank FSDP2 peak for a Llama-2-7B-sized config vs. PyTorch's own.
+
+The model (Hugging Face ``LlamaConfig`` with Llama-2-7B sizes: hidden 4096, intermediate 11008,
+32 layers, 32 heads, vocab 32000) is built on the meta device (memsim) or under
+``FakeTensorMode`` (PyTorch); it is never materialized. Both sides shard it with PyTorch's
+``fully_shard`` (each decoder layer, then the root) over a *fake* process group of ``--dp``
+ranks and run one steady-state training step (``zero_grad(set_to_none=True)``, forward with
+labels, ``out.loss.backward()``, ``AdamW.step()``; optimizer state and gradients already exist):
+
+* memsim: ``strategies.analyze(..., fsdp=FSDP(dp), device="cpu", optimizer=AdamW(foreach=False))``
+  symbolically in S, then the formula evaluated at B=1, S=--seq;
+* PyTorch: ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``) under
+  ``FakeTensorMode`` with ``dist.init_process_group("fake")``, the device mesh built outside
+  the fake mode, one warm-up step first (its output and loss dropped), then the measured step.
+
+Each side runs in its own subprocess (the fake process group is global per process), so each
+side's time and peak RSS are its own. Run on demand (not a test):
+
+    python benchmarks/fsdp7b.py [--layers 32] [--dp 8 [16 ...]] [--seq 2048]
+
+Why ``device="cpu"`` in memsim: the PyTorch simulation runs on CPU fake tensors (a CPU build),
+so it has CPU kernels and no allocator rounding; memsim's default ``device="cuda"`` models CUDA
+kernel choices and the caching allocator's 512-byte rounding, which the CPU simulation lacks.
+
+The optimizer is ``torch.optim.AdamW(foreach=False)`` on both sides. Its single-tensor step reads
+the step count with ``.item()``, which a plain ``FakeTensorMode`` refuses; the PyTorch side
+therefore answers that read with the value 1.0 (``torch.optim.adam._get_value`` is wrapped for
+fake tensors only), as memsim's ``_local_scalar_dense`` rule does. A real ``.item()`` allocates
+nothing, so the memory is unaffected.
+
+``--hf-fake-masks`` leaves Hugging Face's mask code as it runs on fake tensors (by default the
+PyTorch side applies ``tracer.hf.eager_like``, as memsim does: under ``FakeTensorMode``
+``find_packed_sequence_indices`` cannot read ``(mask[:, -1] == 0).all()`` and keeps a packed-
+sequence mask that a real run drops, and then a full (B, 1, S, S) mask is built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+import transformers
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def config(layers: int) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
+                                    num_hidden_layers=layers, num_attention_heads=32,
+                                    num_key_value_heads=32, vocab_size=32000,
+                                    max_position_embeddings=4096)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- memsim ---------------------------------------------------------------------------------------
+def run_memsim(layers: int, dp: int, seq: int) -> dict:
+    sys.path.insert(0, ROOT)
+    from strategies import FSDP, analyze
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config(layers))
+    t0 = time.perf_counter()
+    report = analyze(model, {"input_ids": ("int64", [1, "S"]), "labels": ("int64", [1, "S"])},
+                     fsdp=FSDP(dp=dp), device="cpu", inference=False, optimizer=adamw)
+    t_sym = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    at = report.at(S=seq)["train"]
+    t_eval = time.perf_counter() - t0
+    return {"time_s": t_sym, "eval_s": t_eval, "rss_mib": rss_mib(),
+            "regimes": len(report.train.candidates),
+            "peak_formula": str(report.train.peak),
+            **{k: int(v) for k, v in at.items()}}
+
+
+# -- PyTorch: FSDPMemTracker under FakeTensorMode ---------------------------------------------
+@contextlib.contextmanager
+def item_reads_one():
+    """AdamW's single-tensor step calls ``_get_value(step_t)`` (``.item()``): 1.0 for fakes."""
+    import torch.optim.adam as adam_mod
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    orig = adam_mod._get_value
+
+    def _get_value(x):
+        if isinstance(x, FakeTensor):
+            return 1.0
+        return orig(x)
+
+    adam_mod._get_value = _get_value
+    try:
+        yield
+    finally:
+        adam_mod._get_value = orig
+
+
+def run_pytorch(layers: int, dp: int, seq: int, hf_fake_masks: bool) -> dict:
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
+    mesh = init_device_mesh("cpu", (dp,))          # outside FakeTensorMode
+    patches = contextlib.ExitStack()
+    if not hf_fake_masks:
+        sys.path.insert(0, ROOT)
+        from tracer.hf import eager_like
+        patches.enter_context(eager_like())
+    t0 = time.perf_counter()
+    with patches, FakeTensorMode(), item_reads_one():
+        model = transformers.LlamaForCausalLM(config(layers))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = adamw(model.parameters())
+        ids = torch.zeros(1, seq, dtype=torch.int64)
+        labels = torch.zeros(1, seq, dtype=torch.int64)
+        mt = FSDPMemTracker(model, opt)
+        mt.track_inputs((ids, labels))
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, labels=labels)
+            loss = out.loss
+            loss.backward()
+            opt.step()            # out and loss still referenced, as in a plain loop
+            return out, loss
+
+        with mt:                  # warm-up: optimizer state and gradients come to exist
+            out, loss = step()
+        del out, loss
+        t_warm = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        mt.reset_mod_stats()      # per-module stats of the warm-up (it refuses a second call)
+        with mt:                  # re-entering resets the peak to the current figure
+            start = mt.get_tracker_snapshot("current")
+            out, loss = step()
+        t_step = time.perf_counter() - t1
+        del out, loss
+        peak = mt.get_tracker_snapshot("peak")
+    dev = torch.device("cpu")
+    by_type = {str(getattr(k, "value", k)): int(v) for k, v in peak.get(dev, {}).items()}
+    start = {str(getattr(k, "value", k)): int(v) for k, v in start.get(dev, {}).items()}
+    dist.destroy_process_group()
+    return {"time_s": t_warm + t_step, "warmup_s": t_warm, "step_s": t_step, "rss_mib": rss_mib(),
+            "peak": by_type.get("Total", 0), "peak_by_type": by_type, "start_by_type": start}
+
+
+# -- driver ---------------------------------------------------------------------------------------
+def child(part: str, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_part", part, "--layers",
+           str(args.layers), "--dp", str(args._dp), "--seq", str(args.seq),
+           "--threads", str(args.threads)] + (["--hf-fake-masks"] if args.hf_fake_masks else [])
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        sys.stderr.write(p.stderr)
+        raise SystemExit(f"{part} subprocess failed (rc {p.returncode})")
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    res["wall_s"] = wall
+    return res
+
+
+def gib(n: int) -> str:
+    return f"{n:,} B ({n / 2**30:.3f} GiB)"
+
+
+def report(args, dp: int, ms: dict, pt: dict) -> None:
+    print(f"\n=== Llama-2-7B sizes, {args.layers} layers, FSDP2 dp={dp}, B=1, S={args.seq}, "
+          f"AdamW(foreach=False), memsim device='cpu' ===")
+    print(f"memsim symbolic analysis (train only): {ms['time_s']:.1f} s "
+          f"(subprocess wall {ms['wall_s']:.1f} s), peak RSS {ms['rss_mib']:.0f} MiB, "
+          f"{ms['regimes']} regime(s); evaluating at the point: {ms['eval_s'] * 1e3:.1f} ms")
+    print(f"memsim train.peak formula: {ms['peak_formula'][:300]}")
+    print(f"memsim train.peak at S={args.seq}: {gib(ms['peak'])}")
+    print(f"FSDPMemTracker (FakeTensorMode, fake PG, one point): {gib(pt['peak'])}; "
+          f"{pt['time_s']:.1f} s (warm-up step incl. model build and sharding "
+          f"{pt['warmup_s']:.1f} s, measured step {pt['step_s']:.1f} s; subprocess wall "
+          f"{pt['wall_s']:.1f} s), peak RSS {pt['rss_mib']:.0f} MiB")
+    diff = ms["peak"] - pt["peak"]
+    print(f"ratio memsim/FSDPMemTracker: {ms['peak'] / pt['peak']:.6f}; difference "
+          f"{diff:+,} B ({diff / 2**20:+.3f} MiB)")
+    s = pt["start_by_type"]
+    ref = {"parameters": s.get("Sharded Param", 0),
+           "gradients": s.get("Sharded Grad", 0) + s.get("Unsharded Grad", 0),
+           "optimizer_states": s.get("OptState", 0)}
+    print("per rank at the start of the step      memsim        FSDPMemTracker   diff")
+    for k, v in ref.items():
+        print(f"  {k:<20} {ms[k]:>18,} {v:>18,} {ms[k] - v:>+10,}")
+    print(f"  (memsim gradients: those alive at the optimizer step; FSDPMemTracker's: the "
+          f"previous step's, alive when this one starts)")
+    print(f"FSDPMemTracker peak by type: "
+          + ", ".join(f"{k} {v:,}" for k, v in pt["peak_by_type"].items() if v))
+    print(f"FSDPMemTracker start by type: "
+          + ", ".join(f"{k} {v:,}" for k, v in s.items() if v))
+    print(f"memsim activation_peak {ms['activation_peak']:,}, saved_activations "
+          f"{ms['saved_activations']:,}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--dp", type=int, nargs="+", default=[8])
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hf-fake-masks", action="store_true",
+                    help="PyTorch side: leave HF's mask code as it runs on fake tensors")
+    ap.add_argument("--_part", choices=["memsim", "pytorch"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args._part:
+        dp = args.dp[0]
+        res = (run_memsim(args.layers, dp, args.seq) if args._part == "memsim"
+               else run_pytorch(args.layers, dp, args.seq, args.hf_fake_masks))
+        print(json.dumps(res))
+        return
+    for dp in args.dp:
+        args._dp = dp
+        ms = child("memsim", args)
+        pt = child("pytorch", args)
+        report(args, dp, ms, pt)
+
+
+if __name__ == "__main__":
+    main()
