@@ -6,8 +6,8 @@ True
 """
 
 from .api import analyze, describe
-from .lora import LoRA, apply_lora
+from .lora import LoRA, QLoRA, apply_lora, apply_qlora
 from .parallel import FSDP, TensorParallel
 from .zero import DDP, ZeRO
 
-__all__ = ["analyze", "describe", "LoRA", "apply_lora", "FSDP", "TensorParallel", "ZeRO", "DDP"]
+__all__ = ["analyze", "describe", "LoRA", "QLoRA", "apply_lora", "apply_qlora", "FSDP", "TensorParallel", "ZeRO", "DDP"]

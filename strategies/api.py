@@ -17,7 +17,7 @@ import torch
 import analysis
 from tracer import StrategyError
 
-from .lora import LoRA, apply_lora
+from .lora import LoRA, QLoRA, apply_lora, apply_qlora
 from .parallel import FSDP, TensorParallel, transform
 from .zero import DDP, ZeRO, ddp_rank, rank_step, zero_rank
 
@@ -67,13 +67,14 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
             **kw) -> analysis.Report:
     """:func:`analysis.analyze` under a strategy; ``kw`` as there.
 
-    ``checkpoint``: a named plan (``"blocks"``, ``"selective"``, ``"every:K"``) or module paths.
+    ``lora``: a :class:`LoRA` or :class:`QLoRA` (4-bit NF4 base). ``checkpoint``: a named
+    plan (``"blocks"``, ``"selective"``, ``"every:K"``) or module paths.
     """
     from .checkpoint import apply_checkpointing, named_plan
 
     _check(lora, fsdp, tp, zero, ddp)
     if lora is not None:
-        model = apply_lora(model, lora)
+        model = apply_qlora(model, lora) if isinstance(lora, QLoRA) else apply_lora(model, lora)
     plan = None
     if checkpoint:
         plan = named_plan(model, checkpoint) if isinstance(checkpoint, str) else list(checkpoint)

@@ -110,6 +110,8 @@ def _add_common(a: argparse.ArgumentParser) -> None:
                    help="tensor-parallel plan (default: the model's Hugging Face plan)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     p.add_argument("--lora", metavar="r=16,...", help="LoRA: r, alpha, dropout, targets")
+    p.add_argument("--qlora", metavar="r=16,...", help="QLoRA (NF4 base, bitsandbytes): r, "
+                   "alpha, dropout, targets, compute (default bfloat16)")
     p.add_argument("--checkpoint", metavar="PLAN", dest="ckpt",
                    help="activation checkpointing: blocks, selective, every:K")
     b.add_argument("--batch-symbol", default="B", help="the batch-size symbol (default B)")
@@ -200,8 +202,13 @@ def _strategy(args) -> dict:
         kw["tp"] = TensorParallel(args.tp, plan, args.sp)
     elif args.sp or args.tp_plan:
         raise UsageError("--sp and --tp-plan need --tp N")
+    if args.lora and args.qlora:
+        raise UsageError("--lora and --qlora both given", hint="QLoRA is LoRA on a 4-bit base")
     if args.lora:
         kw["lora"] = parse_lora(args.lora)
+    if args.qlora:
+        from .lora import QLoRA
+        kw["lora"] = parse_lora(args.qlora, QLoRA)
     if args.ckpt:
         kw["checkpoint"] = args.ckpt
     return kw

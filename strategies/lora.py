@@ -39,7 +39,8 @@ import torch
 
 from tracer import StrategyError
 
-__all__ = ["LoRA", "LoRALayer", "apply_lora", "lora_targets", "parse_lora"]
+__all__ = ["LoRA", "QLoRA", "LoRALayer", "NF4Linear", "apply_lora", "apply_qlora",
+           "lora_targets", "parse_lora"]
 
 
 @dataclass(frozen=True)
@@ -88,19 +89,29 @@ def _in_out(mod: torch.nn.Module) -> tuple[int, int] | None:
 class LoRALayer(torch.nn.Module):
     """``base(x) + lora_B(lora_A(dropout(x))) * scaling``, with ``base`` frozen."""
 
-    def __init__(self, base: torch.nn.Module, r: int, scaling: float, dropout: float):
+    def __init__(self, base: torch.nn.Module, r: int, scaling: float, dropout: float,
+                 like: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        fan_in, fan_out = _in_out(base)
-        w = base.weight
+        w = base.weight if like is None else like
+        fan_in, fan_out = w.shape[1], w.shape[0]
+        if type(base).__name__ == "Conv1D":
+            fan_in, fan_out = fan_out, fan_in
+        dtype = dtype or w.dtype
         self.base_layer = base
-        self.lora_A = torch.nn.Linear(fan_in, r, bias=False, device=w.device, dtype=w.dtype)
-        self.lora_B = torch.nn.Linear(r, fan_out, bias=False, device=w.device, dtype=w.dtype)
+        self.lora_A = torch.nn.Linear(fan_in, r, bias=False, device=w.device, dtype=dtype)
+        self.lora_B = torch.nn.Linear(r, fan_out, bias=False, device=w.device, dtype=dtype)
         self.lora_dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         self.scaling = scaling
 
     def forward(self, x):
         out = self.base_layer(x)
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        dt = self.lora_A.weight.dtype
+        if x.dtype == dt:
+            return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        # peft casts the input to the adapters' dtype (fp32 adapters on a 16-bit or 4-bit
+        # base) and the sum back to the base output's dtype
+        res = out + self.lora_B(self.lora_A(self.lora_dropout(x.to(dt)))) * self.scaling
+        return res.to(out.dtype)
 
 
 def _head_names(model: torch.nn.Module) -> set[str]:
@@ -172,25 +183,133 @@ def apply_lora(model: torch.nn.Module, lora: LoRA) -> torch.nn.Module:
     return m
 
 
-def parse_lora(text: str) -> LoRA:
-    """``r=16,alpha=32,dropout=0.05,targets=q_proj+v_proj`` (``--lora`` on the command line)."""
+def parse_lora(text: str, cls=None) -> LoRA:
+    """``r=16,alpha=32,dropout=0.05,targets=q_proj+v_proj`` (``--lora`` on the command line);
+    with ``cls=QLoRA`` (``--qlora``) also ``compute=bfloat16``."""
     from tracer import UsageError
 
+    cls = cls or LoRA
+    flag = "--qlora" if cls is not LoRA else "--lora"
     kw: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, val = part.partition("=")
         if not eq:
-            raise UsageError(f"--lora {text!r}: expected key=value, got {part!r}",
+            raise UsageError(f"{flag} {text!r}: expected key=value, got {part!r}",
                              hint="e.g. --lora r=16,alpha=32,targets=q_proj+v_proj")
         key = key.strip()
-        if key not in ("r", "alpha", "dropout", "targets"):
-            raise UsageError(f"--lora: unknown key {key!r}",
-                             hint="keys: r, alpha, dropout, targets")
+        keys = ("r", "alpha", "dropout", "targets") + (("compute",) if cls is not LoRA else ())
+        if key not in keys:
+            raise UsageError(f"{flag}: unknown key {key!r}", hint=f"keys: {', '.join(keys)}")
+        if key == "compute":
+            if not isinstance(getattr(torch, val, None), torch.dtype):
+                raise UsageError(f"{flag} compute={val!r}: not a torch dtype",
+                                 hint="e.g. compute=bfloat16")
+            kw["compute_dtype"] = val
+            continue
         if key == "targets":
             kw[key] = val if val in ("attention", "all-linear") else tuple(val.split("+"))
             continue
         try:
             kw[key] = int(val) if key == "r" else float(val)
         except ValueError as e:
-            raise UsageError(f"--lora {key}={val!r}: not a number") from e
-    return LoRA(**kw)
+            raise UsageError(f"{flag} {key}={val!r}: not a number") from e
+    return cls(**kw)
+
+
+# -- QLoRA ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QLoRA(LoRA):
+    """LoRA on a base model whose linear layers (all but the output head) are stored in 4-bit
+    NF4 as bitsandbytes stores them (``Linear4bit``, ``quant_type="nf4"``): packed weights
+    (one byte per two weights), an absmax per ``blocksize`` weights (uint8 with double
+    quantization, whose own absmax per 256 blocks, 256-entry code and offset are fp32), a
+    16-entry NF4 code; the forward computes in ``compute_dtype`` through bitsandbytes'
+    ``matmul_4bit`` (its fake kernels give the dequantized weight and output sizes).
+    """
+
+    compute_dtype: str = "bfloat16"
+    blocksize: int = 64
+    double_quant: bool = True
+
+
+class NF4Linear(torch.nn.Module):
+    """A frozen linear layer held as bitsandbytes NF4 tensors (buffers, so they are counted).
+
+    Its forward is ``bitsandbytes.nn.Linear4bit``'s training path: cast the input to
+    ``compute_dtype``, ``bnb.matmul_4bit(x, weight, bias, quant_state)``, cast back.
+    """
+
+    def __init__(self, base: torch.nn.Module, q: QLoRA):
+        super().__init__()
+        fan_in, fan_out = _in_out(base)
+        n = fan_in * fan_out
+        dev = base.weight.device
+        blocks = -(-n // q.blocksize)
+        self.in_features, self.out_features = fan_in, fan_out
+        self.blocksize, self.double_quant = q.blocksize, q.double_quant
+        self.compute_dtype = getattr(torch, q.compute_dtype)
+        self.orig_dtype = base.weight.dtype
+        u8, f32 = torch.uint8, torch.float32
+        # the packed weight is a frozen parameter, as bitsandbytes' Params4bit; the
+        # quantization state is buffers (bitsandbytes keeps them in a QuantState object)
+        self.weight = torch.nn.Parameter(torch.empty(((n + 1) // 2, 1), dtype=u8, device=dev),
+                                         requires_grad=False)
+        self.register_buffer("code", torch.empty(16, dtype=f32, device=dev))
+        if q.double_quant:
+            self.register_buffer("absmax", torch.empty(blocks, dtype=u8, device=dev))
+            self.register_buffer("absmax2", torch.empty(-(-blocks // 256), dtype=f32,
+                                                        device=dev))
+            self.register_buffer("code2", torch.empty(256, dtype=f32, device=dev))
+            self.register_buffer("offset", torch.empty((), dtype=f32, device=dev))
+        else:
+            self.register_buffer("absmax", torch.empty(blocks, dtype=f32, device=dev))
+        bias = getattr(base, "bias", None)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(),
+                                                                 requires_grad=False)
+
+    def quant_state(self):
+        import bitsandbytes.functional as bf
+
+        state2 = None
+        if self.double_quant:
+            state2 = bf.QuantState(absmax=self.absmax2, code=self.code2, blocksize=256,
+                                   dtype=torch.float32)
+        return bf.QuantState(
+            absmax=self.absmax, shape=torch.Size((self.out_features, self.in_features)),
+            code=self.code, blocksize=self.blocksize, quant_type="nf4", dtype=self.orig_dtype,
+            offset=self.offset if self.double_quant else None, state2=state2)
+
+    def forward(self, x):
+        import bitsandbytes as bnb
+
+        inp = x.dtype
+        x = x.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state()).to(inp)
+
+
+def apply_qlora(model: torch.nn.Module, q: QLoRA) -> torch.nn.Module:
+    """A copy of ``model``: every linear layer but the head in NF4 (:class:`NF4Linear`), LoRA
+    adapters (in ``compute_dtype``) on the targets, everything else frozen."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise StrategyError("QLoRA needs bitsandbytes", hint="pip install bitsandbytes") from e
+    m = copy.deepcopy(model)
+    targets = set(lora_targets(m, q.targets))
+    heads = _head_names(m)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    mods = dict(m.named_modules())
+    for name, mod in list(mods.items()):
+        if not name or _in_out(mod) is None or name in heads:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = mods[parent_name] if parent_name else m
+        layer: torch.nn.Module = NF4Linear(mod, q)
+        if name in targets:
+            # adapters in fp32, peft's default (autocast_adapter_dtype=True)
+            layer = LoRALayer(layer, q.r, q.scaling, q.dropout, like=mod.weight,
+                              dtype=torch.float32)
+        setattr(parent, child, layer)
+    return m

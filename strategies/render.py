@@ -179,7 +179,8 @@ def strategy_text(st: dict) -> str:
     if "tp" in st:
         parts.append(f"TP {st['tp']['tp']}" + (" + SP" if st["tp"]["sequence_parallel"] else ""))
     if "lora" in st:
-        parts.append(f"LoRA r={st['lora']['r']}")
+        q = "compute_dtype" in st["lora"]
+        parts.append(("QLoRA (NF4)" if q else "LoRA") + f" r={st['lora']['r']}")
     if "checkpoint" in st:
         parts.append(f"checkpointing {st['checkpoint']}")
     return " x ".join(parts or ["none"]) + f"; world size {st.get('world_size', 1)}"

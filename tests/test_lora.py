@@ -74,3 +74,66 @@ def test_lora_targets_and_errors():
         r=16, alpha=32.0, targets=("q_proj", "v_proj"))
     with pytest.raises(UsageError, match="unknown key"):
         parse_lora("rank=4")
+
+
+def _bnb_qlora(model, q):
+    """The real thing: bitsandbytes Linear4bit (NF4, double quantization) quantized from the
+    model's weights on the CPU, LoRA adapters on the targets. The quantization state lives in
+    bitsandbytes' QuantState; it is registered as buffers so the oracle counts it."""
+    import bitsandbytes as bnb
+
+    from strategies.lora import LoRALayer, _head_names
+    targets = set(lora_targets(model, q.targets))
+    heads = _head_names(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    mods = dict(model.named_modules())
+    for name, mod in list(mods.items()):
+        if not isinstance(mod, torch.nn.Linear) or name in heads:
+            continue
+        l4 = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                               compute_dtype=getattr(torch, q.compute_dtype), quant_type="nf4",
+                               compress_statistics=True)
+        l4.weight = bnb.nn.Params4bit(mod.weight.data.clone(), requires_grad=False,
+                                      quant_type="nf4", compress_statistics=True,
+                                      blocksize=q.blocksize).to("cpu")
+        if mod.bias is not None:
+            l4.bias = torch.nn.Parameter(mod.bias.data.clone(), requires_grad=False)
+        qs = l4.weight.quant_state
+        for k, t in (("absmax", qs.absmax), ("absmax2", qs.state2.absmax), ("code", qs.code),
+                     ("code2", qs.state2.code), ("offset", qs.offset)):
+            l4.register_buffer("_qs_" + k, t)
+        layer = l4
+        if name in targets:
+            layer = LoRALayer(l4, q.r, q.scaling, q.dropout, like=mod.weight,
+                              dtype=torch.float32)
+        parent, _, child = name.rpartition(".")
+        setattr(mods[parent] if parent else model, child, layer)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_qlora_matches_real_bitsandbytes_run(compute):
+    pytest.importorskip("bitsandbytes")
+    T = pytest.importorskip("transformers")
+    from analysis.measure import example_inputs, materialize, measure_train
+    from strategies.lora import QLoRA, apply_qlora
+
+    def base():
+        return T.LlamaForCausalLM(T.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100, max_position_embeddings=64))
+
+    q = QLoRA(r=8, compute_dtype=compute)
+    report = predict(lambda: apply_qlora(base(), q), LM, inference=False)
+    torch.manual_seed(0)
+    real = _bnb_qlora(materialize(base()), q)
+    for pt in ({"B": 2, "S": 8}, {"B": 3, "S": 13}):
+        m = measure_train(real, example_inputs(LM, pt))
+        got = report.at(**pt)["train"]
+        assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"]) == (
+            m.peak, m.parameters, m.gradients, m.optimizer_states), pt
+    # the 4-bit base: one byte per two weights, plus the quantization state
+    plain = predict(base, LM, inference=False).at(B=2, S=8)["train"]
+    assert got["parameters"] < plain["parameters"] / 2

@@ -96,14 +96,16 @@ def _slice_backward(recorder, func, args, kwargs):
 
 
 @register_rule(aten.native_layer_norm.default,
-               doc="bf16/fp16 input with fp32 weight (autocast): mean and rstd are fp32 in the "
-                   "real kernel; the fake kernel makes them the input dtype")
+               doc="bf16/fp16 input: mean and rstd are fp32 on CUDA (layer_norm_cuda allocates "
+                   "them in the accumulate type) and on CPU with an fp32 weight (autocast); "
+                   "the fake kernel makes them the input dtype")
 def _layer_norm(recorder, func, args, kwargs):
-    """``native_layer_norm(x, shape, w, b, eps)``: fp32 statistics for mixed dtypes."""
+    """``native_layer_norm(x, shape, w, b, eps)``: fp32 statistics where the kernel keeps them."""
     x = args[0]
     w = args[2] if len(args) > 2 else kwargs.get("weight")
-    if not (x.dtype in (torch.bfloat16, torch.float16) and w is not None
-            and w.dtype == torch.float32):
+    low = x.dtype in (torch.bfloat16, torch.float16)
+    mixed = w is not None and w.dtype == torch.float32
+    if not (low and (mixed or recorder.device == "cuda")):
         return func(*args, **kwargs)
     n = len(args[1])
     stat = list(x.shape[: x.dim() - n]) + [1] * n
