@@ -107,6 +107,9 @@ class Budget:
         Largest size of the batch / sequence symbol that fits (others at the point); None
         when the symbol is absent; 0 when not even size 1 fits.
     notes : list of str
+    basis : str
+        ``"exact"`` when ``allocated`` comes from the trace alone; ``"modelled: ..."`` when a
+        modelled strategy (DeepSpeed ZeRO, DDP buckets) supplied part of it.
     """
 
     step: str
@@ -123,6 +126,7 @@ class Budget:
     max_batch: int | None = None
     max_seq: int | None = None
     notes: list[str] = field(default_factory=list)
+    basis: str = "exact"  # how "allocated" was obtained: "exact" (traced) or "modelled: ..."
 
 
 class _Model:

@@ -99,8 +99,9 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
         if fsdp is not None and fsdp.reduce_dtype and fsdp.reduce_dtype != fsdp.param_dtype:
             report.notes.append("FSDP reduce_dtype != param_dtype: a real 2-rank gloo run held "
                                 "one more layer-sized gradient buffer at the reduce-scatter "
-                                "than predicted (6.5% more at the one point checked); not "
-                                "explained yet")
+                                "than predicted (6.5% more at the one point checked); PyTorch's "
+                                "own fake-process-group simulation gives memsim's figure; NCCL "
+                                "on a GPU not measured")
         for cfg, fn in ((zero, zero_rank), (ddp, ddp_rank)):
             if cfg is not None and report.train is not None:
                 with torch.device("meta"):

@@ -267,6 +267,10 @@ def run(argv: list[str] | None = None) -> int:
         device, cap, overheads = setup
         budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
+        if "zero" in report.strategy:
+            budget.basis = "modelled: DeepSpeed ZeRO"
+        elif "ddp" in report.strategy:
+            budget.basis = "traced; DDP buckets modelled"
     if point is not None:
         shown, spoint = report.for_point(point)
         shown.train and shown.train.check_point(spoint)

@@ -62,7 +62,7 @@ def budget_json(b) -> dict:
             "allocated": b.allocated, "overhead": dict(b.overhead), "total": b.total,
             "margin": b.margin, "fits": b.fits, "headroom": round(b.headroom, 6),
             "dominant": b.dominant, "max_batch": b.max_batch, "max_seq": b.max_seq,
-            "notes": list(b.notes)}
+            "notes": list(b.notes), "basis": b.basis}
 
 
 def to_json(report: Report, point: dict[str, int] | None = None, budget=None) -> dict:
@@ -114,11 +114,11 @@ def budget_text(b, device: str) -> str:
     what = f"{b.gpu.name} ({b.gpu.mib:,} MiB as reported by the device)" if b.gpu else \
         f"{b.capacity:,} bytes ({human(b.capacity)})"
     verdict = "FITS" if b.fits else "DOES NOT FIT"
-    rows = [["allocated by tensors (exact)", human(b.allocated)]]
+    rows = [[f"allocated by tensors ({b.basis})", human(b.allocated)]]
     est = {"fragmentation": "allocator reserve (estimate)",
            "cuda_context": "CUDA context (estimate)",
            "cublas_workspace": "cuBLAS workspace (estimate)",
-           "comm_buffers": "communication buffers"}
+           "comm_buffers": "communication buffers (not in the trace)"}
     for k, v in b.overhead.items():
         if v or device == "cuda":
             rows.append([est.get(k, k), human(v)])
