@@ -49,9 +49,6 @@ def _check(lora, fsdp, tp, zero, ddp):
         raise StrategyError(f"{' and '.join(given)} both shard or replicate over the data-"
                             "parallel ranks; give one", hint="FSDP2 and ZeRO-3 are the same "
                             "idea; DDP buckets do not exist under ZeRO or FSDP")
-    if fsdp is not None and tp is not None:
-        raise StrategyError("FSDP2 with tensor parallelism (a 2-D mesh) is not supported yet",
-                            hint="analyse fsdp=FSDP(dp) and tp=TensorParallel(tp) separately")
     if zero is not None and tp is not None:
         raise StrategyError("ZeRO with tensor parallelism is not modelled",
                             hint="use FSDP (fsdp=FSDP(dp)) with tp: both run PyTorch's code")

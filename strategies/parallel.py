@@ -191,13 +191,16 @@ def transform(fsdp: FSDP | None = None, tp: TensorParallel | None = None):
     dp_mesh, tp_mesh = _mesh(fsdp.dp if fsdp else 1, tp.tp if tp else 1)
 
     def apply(model: torch.nn.Module) -> None:
-        if tp is not None and tp.tp > 1:
-            from torch.distributed.tensor.parallel import parallelize_module
-            plan = tp_plan(model, tp)
-            with _quiet():
-                parallelize_module(model, tp_mesh, _styles(plan))
-        if fsdp is not None:
-            _shard(model, fsdp, dp_mesh)
+        from tracer.recorder import real_meshes
+
+        with real_meshes():
+            if tp is not None and tp.tp > 1:
+                from torch.distributed.tensor.parallel import parallelize_module
+                plan = tp_plan(model, tp)
+                with _quiet():
+                    parallelize_module(model, tp_mesh, _styles(plan))
+            if fsdp is not None:
+                _shard(model, fsdp, dp_mesh)
 
     return apply
 

@@ -132,6 +132,17 @@ class TP:
     plan: dict = field(default_factory=lambda: dict(LLAMA_TP_PLAN))
 
 
+@dataclass
+class FSDP2TP:
+    """A 2-D mesh (dp, tp): ``parallelize_module`` on the tp dimension, then ``fully_shard``
+    (each block, then the root) on the dp dimension; world size dp * tp."""
+
+    dp: int = 2
+    tp: int = 2
+    plan: dict = field(default_factory=lambda: dict(LLAMA_TP_PLAN))
+    fsdp: "FSDP2" = None
+
+
 # q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms and LM head stay replicated.
 # HF 5.24 LlamaAttention views projections as (*input_shape, -1, head_dim), so the local
 # head count follows the shard width and num_heads needs no per-rank adjustment.
@@ -580,7 +591,11 @@ def _rank_main(rank: int, job: _Job):
             dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
                                     world_size=job.world_size, timeout=_timedelta(120))
             from torch.distributed.device_mesh import init_device_mesh
-            mesh = init_device_mesh("cpu", (job.world_size,))
+            if isinstance(job.strategy, FSDP2TP):
+                mesh = init_device_mesh("cpu", (job.strategy.dp, job.strategy.tp),
+                                        mesh_dim_names=("dp", "tp"))
+            else:
+                mesh = init_device_mesh("cpu", (job.world_size,))
         torch.manual_seed(job.seed)  # same weights and inputs on every rank
         model = job.model_fn()
         inputs = job.inputs_fn()
@@ -588,6 +603,10 @@ def _rank_main(rank: int, job: _Job):
             model = _apply_fsdp2(model, mesh, job.strategy)
         elif isinstance(job.strategy, TP):
             model = _apply_tp(model, mesh, job.strategy)
+        elif isinstance(job.strategy, FSDP2TP):
+            st = job.strategy
+            model = _apply_tp(model, mesh["tp"], TP(plan=st.plan))
+            model = _apply_fsdp2(model, mesh["dp"], st.fsdp or FSDP2())
         r = measure_step(model, inputs, loss_fn=job.loss_fn, optimizer_fn=job.optimizer_fn,
                          keep_outputs=job.keep_outputs, warmup=job.warmup,
                          settle_s=job.settle_s, rank=rank, world_size=job.world_size,
@@ -651,7 +670,8 @@ def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
 
     strategy = strategy if strategy is not None else Plain()
     if world_size is None:
-        world_size = 1 if isinstance(strategy, Plain) else 2
+        world_size = (1 if isinstance(strategy, Plain) else
+                      strategy.dp * strategy.tp if isinstance(strategy, FSDP2TP) else 2)
     if isinstance(strategy, Plain) and world_size != 1:
         raise ValueError("Plain runs on one rank")
     # the parent hosts the store on a free port picked by the OS: no port race

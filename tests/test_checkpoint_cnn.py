@@ -84,7 +84,7 @@ def test_named_plans_match_real_run(plan):
 _SHARED: dict = {}
 
 
-@pytest.mark.parametrize("frac", [0.95, 0.85])
+@pytest.mark.parametrize("frac", [0.95, 0.85, 0.7])
 def test_optimal_plan_fits_with_fewest_blocks_real_run(frac):
     with torch.device("meta"):
         m = ResNet()

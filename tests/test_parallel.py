@@ -68,6 +68,20 @@ def test_tp_llama_matches_real_gloo_run(attn, b, s):
     assert got == want  # exact: DTensor's sharding propagation is not recorded
 
 
+@pytest.mark.slow
+def test_fsdp_x_tp_2d_mesh_matches_real_gloo_run():
+    """dp 2 x tp 2, 4 real ranks: every rank equal to the prediction, to the byte."""
+    report = _predict(O.llama_model, LM, fsdp=FSDP(2), tp=TensorParallel(2))
+    assert report.strategy["world_size"] == 4
+    for b, s in ((2, 16), (4, 32)):
+        real = O.measure(O.llama_model, functools.partial(O.llama_inputs, batch=b, seq=s),
+                         strategy=O.FSDP2TP())
+        got = report.at(B=b, S=s)["train"]
+        assert {r.peak - r.other for r in real} == {got["peak"]}
+        assert (real[0].parameters, real[0].optimizer_states) == (got["parameters"],
+                                                                  got["optimizer_states"])
+
+
 def test_fsdp_composes_with_lora_and_checkpointing():
     plain = _predict(O.llama_model, LM).at(B=2, S=16)["train"]
     both = _predict(O.llama_model, LM, fsdp=FSDP(2), lora=LoRA(r=4),

@@ -40,6 +40,40 @@ def _is_wrapper(t) -> bool:
     return isinstance(t, torch.Tensor) and hasattr(t, "_local_tensor")
 
 
+@contextlib.contextmanager
+def _patched(cls, name: str, wrap):
+    orig = getattr(cls, name)
+    setattr(cls, name, wrap(orig))
+    try:
+        yield
+    finally:
+        setattr(cls, name, orig)
+
+
+@contextlib.contextmanager
+def real_meshes(wrap=None):
+    """Build every ``DeviceMesh`` outside the fake mode: a mesh is a few host integers that
+    PyTorch computes with real tensors (under a fake mode its rank coordinates become
+    data-dependent). FSDP2 builds one when it shards tensor-parallel parameters."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:
+        yield
+        return
+
+    def real(fn):
+        inner = wrap(fn) if wrap is not None else fn
+
+        def init(*args, **kwargs):
+            with unset_fake_temporarily():
+                return inner(*args, **kwargs)
+        return init
+
+    with _patched(DeviceMesh, "__init__", real):
+        yield
+
+
 def as_expr(value) -> sympy.Expr:
     """A SymInt / int as a sympy expression, without adding guards."""
     if isinstance(value, torch.SymInt):
@@ -125,28 +159,28 @@ class Recorder(TorchDispatchMode):
 
     @contextlib.contextmanager
     def skip_sharding_propagation(self):
-        """Do not record the ops DTensor runs to derive output shapes: a real run runs them on
-        fake tensors (no memory), but here they reuse the run's own fake mode."""
+        """Do not record what DTensor runs on the side, which a real run spends no device memory
+        on: the ops it runs to derive output shapes (they reuse the run's own fake mode), and
+        device meshes built during the step (see :func:`real_meshes`)."""
         try:
             from torch.distributed.tensor._sharding_prop import ShardingPropagator
         except ImportError:
             yield
             return
-        orig = ShardingPropagator._propagate_tensor_meta_non_cached
         recorder = self
 
-        def propagate(prop, *args, **kwargs):
-            was, recorder._paused = recorder._paused, True
-            try:
-                return orig(prop, *args, **kwargs)
-            finally:
-                recorder._paused = was
+        def pause(fn):
+            def wrapper(*args, **kwargs):
+                was, recorder._paused = recorder._paused, True
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    recorder._paused = was
+            return wrapper
 
-        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
-        try:
+        with _patched(ShardingPropagator, "_propagate_tensor_meta_non_cached", pause), \
+                real_meshes(pause):
             yield
-        finally:
-            ShardingPropagator._propagate_tensor_meta_non_cached = orig
 
     @contextlib.contextmanager
     def watch_resizes(self):
