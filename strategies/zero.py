@@ -26,8 +26,9 @@ reproduced for comparison.
 
 DDP (``torch.nn.parallel.DistributedDataParallel``) allocates, at construction, flat buckets
 holding a copy of every trainable gradient (``gradient_as_bucket_view=False``, the default): one
-more gradient-sized block alive for the whole step. With ``gradient_as_bucket_view=True`` the
-gradients are views into the buckets (not modelled yet: an error says so).
+more gradient-sized block alive for the whole step (checked against real 2-rank gloo runs in
+``tests/test_parallel.py``). With ``gradient_as_bucket_view=True`` the gradients are views into
+the buckets (not modelled yet: an error says so).
 """
 
 from __future__ import annotations

@@ -133,6 +133,18 @@ class TP:
 
 
 @dataclass
+class DDP:
+    """``DistributedDataParallel(model, bucket_cap_mb=..., gradient_as_bucket_view=...)``.
+
+    The Reducer's bucket tensors are owned by C++ (allocated at construction, before counting,
+    and invisible to the garbage collector): their bytes are read from DDP's own logging data
+    (``bucket_sizes``) and reported in ``RankMemory.other_detail`` as ``ddp_buckets=N``."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+
+
+@dataclass
 class FSDP2TP:
     """A 2-D mesh (dp, tp): ``parallelize_module`` on the tp dimension, then ``fully_shard``
     (each block, then the root) on the dp dimension; world size dp * tp."""
@@ -573,6 +585,7 @@ class _Job:
     settle_s: float = 1e-3
     seed: int = 0
     crosscheck: bool = False
+    attempt: int = 1  # a fresh store prefix per attempt: stale rendezvous keys hang gloo
 
 
 def _rank_main(rank: int, job: _Job):
@@ -588,7 +601,8 @@ def _rank_main(rank: int, job: _Job):
         distributed = not isinstance(job.strategy, Plain)
         mesh = None
         if distributed:
-            dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"pg{job.attempt}", store),
+                                    rank=rank,
                                     world_size=job.world_size, timeout=_timedelta(120))
             from torch.distributed.device_mesh import init_device_mesh
             if isinstance(job.strategy, FSDP2TP):
@@ -603,6 +617,11 @@ def _rank_main(rank: int, job: _Job):
             model = _apply_fsdp2(model, mesh, job.strategy)
         elif isinstance(job.strategy, TP):
             model = _apply_tp(model, mesh, job.strategy)
+        elif isinstance(job.strategy, DDP):
+            from torch.nn.parallel import DistributedDataParallel
+            model = DistributedDataParallel(
+                model, bucket_cap_mb=job.strategy.bucket_cap_mb,
+                gradient_as_bucket_view=job.strategy.gradient_as_bucket_view)
         elif isinstance(job.strategy, FSDP2TP):
             st = job.strategy
             model = _apply_tp(model, mesh["tp"], TP(plan=st.plan))
@@ -611,6 +630,10 @@ def _rank_main(rank: int, job: _Job):
                          keep_outputs=job.keep_outputs, warmup=job.warmup,
                          settle_s=job.settle_s, rank=rank, world_size=job.world_size,
                          crosscheck=job.crosscheck)
+        if isinstance(job.strategy, DDP):
+            sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
+            r.other_detail = list(r.other_detail) + [
+                f"ddp_buckets={sum(int(x) for x in str(sizes).split(',') if x.strip())}"]
         payload = ("ok", asdict(r))
     except BaseException:
         payload = ("error", traceback.format_exc())
@@ -688,6 +711,7 @@ def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
         for attempt in range(1, retries + 2):
             for r in range(world_size):
                 store.delete_key(f"result/{r}")
+            job.attempt = attempt
             mp.start_processes(_rank_main, args=(job,), nprocs=world_size, join=True,
                                start_method=start_method)
             results = []

@@ -82,6 +82,24 @@ def test_fsdp_x_tp_2d_mesh_matches_real_gloo_run():
                                                                   got["optimizer_states"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "llama"])
+def test_ddp_matches_real_gloo_run(name):
+    """DDP's buckets are rebuilt in the second iteration (the measured one, after one warm-up):
+    the oracle sees them allocated; their size also comes from DDP's own logging data."""
+    from strategies import DDP
+    factory, spec, inputs, pt = {
+        "mlp": (O.mlp_model, MLP, functools.partial(O.mlp_inputs, batch=8), {"B": 8}),
+        "llama": (O.llama_model, LM, functools.partial(O.llama_inputs, batch=2, seq=16),
+                  {"B": 2, "S": 16})}[name]
+    report = _predict(factory, spec, ddp=DDP(2))
+    real = O.measure(factory, inputs, strategy=O.DDP())[0]
+    got = report.at(**pt)["train"]
+    assert got["peak"] == real.peak - real.other
+    buckets = [d for d in real.other_detail if d.startswith("ddp_buckets=")]
+    assert buckets == [f"ddp_buckets={got['gradients']}"]
+
+
 def test_fsdp_composes_with_lora_and_checkpointing():
     plain = _predict(O.llama_model, LM).at(B=2, S=16)["train"]
     both = _predict(O.llama_model, LM, fsdp=FSDP(2), lora=LoRA(r=4),
