@@ -149,23 +149,33 @@ def _label(trace: Trace):
     return label
 
 
+def peak_candidates(trace: Trace, *, skip=frozenset(), until: int | None = None,
+                    basis: PolyBasis | None = None, charge: list | None = None) -> list[Candidate]:
+    """Candidate peaks of the running sum of live bytes over the run's first ``until`` events
+    (all by default), counting the storages on the modelled device whose category is not in
+    ``skip``. ``basis`` and ``charge`` (bytes charged per storage) may be shared between calls."""
+    run, dev = trace.run, trace.device
+    syms = list(trace.symbols.values())
+    basis = basis or PolyBasis(syms)
+    if charge is None:
+        charge = [charged(s, dev) for s in run.storages]
+    sizes = [basis.coeffs(c) if s.device == dev and s.category not in skip else None
+             for s, c in zip(run.storages, charge)]
+    evs = [(e.sign, e.sid) for e in run.events[:until]]
+    lows = {n: r[0] for n, r in trace.ranges.items()}
+    return prune(running_peaks(evs, sizes.__getitem__, basis, run.start, _label(trace)), syms,
+                 lows)
+
+
 def step_memory(trace: Trace) -> StepMemory:
     """Compute the figures of one traced run."""
     classify(trace)
     run, dev = trace.run, trace.device
-    syms = list(trace.symbols.values())
-    basis = PolyBasis(syms)
-    lows = {n: r[0] for n, r in trace.ranges.items()}
+    basis = PolyBasis(list(trace.symbols.values()))
     on_dev = [s.device == dev for s in run.storages]
     charge = [charged(s, dev) for s in run.storages]
-    sizes = [basis.coeffs(c) if ok else None for c, ok in zip(charge, on_dev)]
-    evs = [(e.sign, e.sid) for e in run.events]
-    label = _label(trace)
-
-    total = prune(running_peaks(evs, sizes.__getitem__, basis, run.start, label), syms, lows)
-    nonmodel = [None if s.category in MODEL_STATE else c
-                for s, c in zip(run.storages, sizes)]
-    act = prune(running_peaks(evs, nonmodel.__getitem__, basis, run.start, label), syms, lows)
+    total = peak_candidates(trace, basis=basis, charge=charge)
+    act = peak_candidates(trace, skip=MODEL_STATE, basis=basis, charge=charge)
 
     end_live = _live_at(run, len(run.events))
     start_live = _live_at(run, run.start)

@@ -101,8 +101,7 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
                                 "on a GPU not measured")
         for cfg, fn in ((zero, zero_rank), (ddp, ddp_rank)):
             if cfg is not None and report.train is not None:
-                with torch.device("meta"):
-                    rank = fn(report, model, cfg)
+                rank = fn(report, model, cfg)
                 report.train = rank_step(report.train, rank)
                 report.notes.extend(rank.notes)
                 report.strategy["buffers"] = {k: str(v) for k, v in rank.buffers.items()}

@@ -153,7 +153,9 @@ def _optimizer(name: str):
 def _strategy(args) -> dict:
     """The strategy options as keyword arguments of :func:`strategies.analyze` (checked before
     the trace)."""
-    from .lora import parse_lora
+    from dataclasses import replace
+
+    from .lora import QLoRA, parse_lora
     from .parallel import FSDP, TensorParallel
     from .zero import DDP, ZeRO, load_deepspeed_config
 
@@ -179,12 +181,10 @@ def _strategy(args) -> dict:
                                  f"({prec})")
             args.precision = prec
     if args.zero:
-        from dataclasses import replace
         kw["zero"] = replace(kw["zero"], stage=args.zero) if "zero" in kw else ZeRO(args.zero, dp)
     if args.offload:
         if "zero" not in kw:
             raise UsageError("--offload is a ZeRO option", hint="add --zero 2 or --zero 3")
-        from dataclasses import replace
         kw["zero"] = replace(kw["zero"], offload_optimizer="cpu",
                              offload_param="cpu" if "params" in args.offload else None)
     if args.ddp:
@@ -207,7 +207,6 @@ def _strategy(args) -> dict:
     if args.lora:
         kw["lora"] = parse_lora(args.lora)
     if args.qlora:
-        from .lora import QLoRA
         kw["lora"] = parse_lora(args.qlora, QLoRA)
     if args.ckpt:
         kw["checkpoint"] = args.ckpt

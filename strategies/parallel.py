@@ -7,8 +7,7 @@ that return tensors of the right shapes) and applies ``torch.distributed.fsdp.fu
 parameters, before the step runs. Every all-gather buffer, unsharded parameter, reduce-scatter
 output and sharded optimizer state is then a storage of the run, allocated and released where
 FSDP2 and DTensor allocate and release it (``UntypedStorage.resize_`` included). The figures are
-those of one rank (the run is rank 0's: with uneven shards, the ranks that get the rounded-up
-shard, which is the largest; see :func:`rank_note`).
+rank 0's; ranks are equal (FSDP2 pads every shard to one size; uneven TP splits are refused).
 
 >>> FSDP(dp=8)
 FSDP(dp=8, reshard_after_forward=True, units='blocks', param_dtype=None, reduce_dtype=None)
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import re
 from dataclasses import dataclass
 
 import torch
@@ -135,12 +135,11 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, str] = {}
     for pat, style in plan.items():
-        style = style.replace("_parallel", "").replace("parallel", "") or style
+        style = style.removesuffix("_parallel")
         if style not in PLAN_STYLES:
             raise StrategyError(f"tensor-parallel plan {pat!r}: style {style!r} is not one of "
                                 f"{', '.join(PLAN_STYLES)}")
         rx = fnmatch.translate(pat).replace(".*", "[^.]*")
-        import re
         hit = [n for n in names if re.fullmatch(rx, n)]
         if not hit:
             raise StrategyError(f"tensor-parallel plan entry {pat!r} matches no module",
@@ -166,9 +165,9 @@ def _check_divisible(model: torch.nn.Module, plan: dict[str, str], t: int) -> No
         if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             raise StrategyError(f"tensor-parallel plan: {name} is a {type(m).__name__}; "
                                 "colwise/rowwise shard nn.Linear and nn.Embedding only")
-        size = m.weight.shape[0] if style == "colwise" else m.weight.shape[1]
-        if isinstance(m, torch.nn.Embedding):
-            size = m.weight.shape[1] if style == "colwise" else m.weight.shape[0]
+        # a Linear weight is (out, in), an Embedding's (num, dim); colwise shards the outputs
+        out_dim, in_dim = (1, 0) if isinstance(m, torch.nn.Embedding) else (0, 1)
+        size = m.weight.shape[out_dim if style == "colwise" else in_dim]
         if size % t:
             raise StrategyError(f"tensor-parallel degree {t} does not divide {name}'s "
                                 f"{'output' if style == 'colwise' else 'input'} size {size}",

@@ -177,7 +177,7 @@ def strategy_text(st: dict) -> str:
     if "ddp" in st:
         parts.append(f"DDP dp={st['ddp']['dp']}")
     if "tp" in st:
-        parts.append(f"TP {st['tp']['tp']}" + (" + SP" if st["tp"]["sequence_parallel"] else ""))
+        parts.append(f"TP {st['tp']['tp']}")
     if "lora" in st:
         q = "compute_dtype" in st["lora"]
         parts.append(("QLoRA (NF4)" if q else "LoRA") + f" r={st['lora']['r']}")

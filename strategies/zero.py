@@ -42,7 +42,7 @@ import torch
 from analysis import StepMemory
 from analysis.memory import PeakPoint
 from analysis.peak import Candidate, as_max
-from tracer import Category, Phase, StrategyError
+from tracer import MODEL_STATE, Category, Phase, StrategyError
 
 __all__ = ["ZeRO", "DDP", "paper_model_states", "deepspeed_estimate", "load_deepspeed_config",
            "zero_rank", "ddp_rank", "RankMemory"]
@@ -195,28 +195,13 @@ def _numel(ps) -> int:
     return sum(p.numel() for p in dict.fromkeys(ps))
 
 
-def _peaks(step, events, skip=frozenset()) -> list:
-    """Candidate peaks of ``events`` (``(sign, sid)`` pairs) over the on-device storages whose
-    category is not in ``skip``."""
-    from analysis.memory import _label, charged
-    from analysis.peak import PolyBasis, prune, running_peaks
-
-    tr = step.trace
-    run, dev = tr.run, tr.device
-    syms = list(tr.symbols.values())
-    basis = PolyBasis(syms)
-    sizes = [None if (s.device != dev or s.category in skip)
-             else basis.coeffs(charged(s, dev)) for s in run.storages]
-    return prune(running_peaks(events, sizes.__getitem__, basis, run.start, _label(tr)), syms,
-                 {n: r[0] for n, r in tr.ranges.items()})
-
-
 def _activation_peak_until(step, phase: Phase) -> list:
     """Candidates for the most non-model-state bytes live before ``phase`` ends."""
+    from analysis.memory import peak_candidates
+
     run = step.trace.run
-    end = run.phase_ends.get(phase, len(run.events))
-    return _peaks(step, [(e.sign, e.sid) for e in run.events[:end]],
-                  skip={Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE})
+    return peak_candidates(step.trace, skip=MODEL_STATE,
+                           until=run.phase_ends.get(phase, len(run.events)))
 
 
 def zero_rank(report, model: torch.nn.Module, zero: ZeRO) -> RankMemory:
@@ -293,13 +278,13 @@ def ddp_rank(report, model: torch.nn.Module, ddp: DDP) -> RankMemory:
         raise StrategyError("DDP gradient_as_bucket_view=True is not modelled yet",
                             hint="the default (False) is: buckets hold a copy of each gradient")
     buckets = step.gradients  # one flat copy of every trainable gradient
-    base = step.candidates
-    note = (f"DDP buckets ({ddp.bucket_cap_mb:g} MiB each) hold a copy of every gradient, "
-            "allocated at construction")
-    cands = [Candidate(sympy.expand(c.expr + buckets), c.event, c.label) for c in base]
+    cands = [Candidate(sympy.expand(c.expr + buckets), c.event, c.label)
+             for c in step.candidates]
     return RankMemory(peak=as_max(cands), candidates=cands, parameters=step.parameters,
                       gradients=step.gradients, optimizer_states=step.optimizer_states,
-                      buffers={"ddp_buckets": buckets}, notes=[note])
+                      buffers={"ddp_buckets": buckets},
+                      notes=[f"DDP buckets ({ddp.bucket_cap_mb:g} MiB each) hold a copy of "
+                             "every gradient, allocated at construction"])
 
 
 @dataclass

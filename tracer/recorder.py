@@ -35,11 +35,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return inner if isinstance(inner, torch.Tensor) else t
 
 
-def _is_wrapper(t) -> bool:
-    """A tensor subclass that dispatches to ops on inner tensors (DTensor), not a FakeTensor."""
-    return isinstance(t, torch.Tensor) and hasattr(t, "_local_tensor")
-
-
 @contextlib.contextmanager
 def _patched(cls, name: str, wrap):
     orig = getattr(cls, name)
@@ -186,20 +181,17 @@ class Recorder(TorchDispatchMode):
     def watch_resizes(self):
         """Record ``UntypedStorage.resize_`` calls as they happen (FSDP2 frees and re-allocates
         unsharded parameters this way): a storage method does not reach the dispatch mode."""
-        orig = torch.UntypedStorage.resize_
+        def watched(orig):
+            def resize_(st, size):
+                out = orig(st, size)
+                sid = self._live.get(id(st))
+                if sid is not None:
+                    self._check_resize(st, sid)
+                return out
+            return resize_
 
-        def resize_(st, size):
-            out = orig(st, size)
-            sid = self._live.get(id(st))
-            if sid is not None:
-                self._check_resize(st, sid)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
-        try:
+        with _patched(torch.UntypedStorage, "resize_", watched):
             yield
-        finally:
-            torch.UntypedStorage.resize_ = orig
 
     def sid_of(self, t: torch.Tensor) -> int | None:
         """The storage id of a tensor, if its storage is tracked and alive."""
@@ -277,16 +269,15 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = str(func)
-        self.current_op = name
         if self._paused:
             return func(*args, **kwargs)
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        if any(_is_wrapper(t) for t in flat_in):
+        if any(local(t) is not t for t in flat_in):
             # A DTensor op: let DTensor run it; the ops on local shards it issues come back here
             # and are recorded once (the wrapper itself owns no memory).
-            self.current_op = None
             return NotImplemented
+        name = str(func)
+        self.current_op = name
         rule = lookup_rule(func, self.device)
         inputs = tuple(self._input_index(t) for t in flat_in)
         if rule is not None:
