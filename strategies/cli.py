@@ -83,6 +83,9 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step (gradient accumulation, default 1)")
     a.add_argument("--json", action="store_true", help="print the JSON document")
+    a.add_argument("--compiled", action="store_true",
+                   help="the step under torch.compile(model, fullgraph=True): what Inductor's "
+                        "partitioner saves for backward, and its fusion (see README)")
     b = a.add_argument_group("budget (against a GPU)")
     b.add_argument("--gpu", metavar="NAME", help="a catalog GPU, e.g. h100-80gb (see 'memsim gpus')")
     b.add_argument("--memory", metavar="SIZE", help="any capacity instead, e.g. 24GiB or 80GB")
@@ -213,6 +216,21 @@ def _strategy(args) -> dict:
     return kw
 
 
+def _compiled_hints(specs, point, hints):
+    """Example sizes for a ``--compiled`` run: the min-cut partition depends on the sizes it is
+    chosen at, as torch.compile's (which compiles for the shape it is called with), so the
+    ``--at`` point is used when ``--hint`` is not given and the point can serve (sizes >= 2,
+    all distinct)."""
+    if hints is not None or point is None:
+        return hints
+    names = {n for s in specs for n in s.symbols}
+    use = {k: v for k, v in point.items() if k in names}
+    if set(use) == names and all(v >= 2 for v in use.values()) \
+            and len(set(use.values())) == len(use):
+        return use
+    return None
+
+
 def _budget_setup(args, point):
     """Check the budget options before the (slow) trace: ``(gpu, capacity, overheads)`` or
     None when no budget is asked for."""
@@ -252,6 +270,11 @@ def run(argv: list[str] | None = None) -> int:
     hints = parse_assignments(args.hint, "--hint") if args.hint else None
     setup = _budget_setup(args, point)
     strategy = _strategy(args)
+    if args.compiled:
+        if strategy:
+            raise UsageError("--compiled does not combine with strategy options yet",
+                             hint="analyse the strategy without --compiled, or --compiled alone")
+        hints = _compiled_hints(specs, point, hints)
     fit = args.cmd == "fit"
     model = load_target(args.target)
     from .api import analyze as analyze_with
@@ -259,7 +282,8 @@ def run(argv: list[str] | None = None) -> int:
                      train=not args.inference, inference=args.inference or not (
                          fit or getattr(args, "train", False)),
                      optimizer=_optimizer(args.optimizer), hints=hints,
-                     precision=args.precision, accumulate=args.accumulate)
+                     precision=args.precision, accumulate=args.accumulate,
+                     **({"compiled": True} if args.compiled else {}))
     budget = None
     if setup is not None:
         from analysis.budget import plan
@@ -296,6 +320,10 @@ def _checkpoint(args) -> int:
 
     if not args.input:
         raise UsageError("no --input given", hint="e.g. --input input_ids=int64[B,S]")
+    if args.compiled:
+        raise UsageError("memsim checkpoint does not take --compiled",
+                         hint="torch.compile's partitioner chooses its own recomputation; "
+                              "see its figures with memsim analyze TARGET ... --compiled")
     if _strategy(args):
         raise UsageError("memsim checkpoint does not take strategy options yet",
                          hint="use memsim analyze ... --checkpoint PLAN with --fsdp/--tp/--lora")

@@ -70,7 +70,7 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None) ->
     at = {**report.fixed, **(point or {})}
     doc: dict = {"memsim": VERSION, "device": report.device,
                  "precision": report.precision, "accumulate": report.accumulate,
-                 "symbols": list(report.symbols), "at": at or None, "fixed": dict(report.fixed),
+                 "compiled": report.compiled, "symbols": list(report.symbols), "at": at or None, "fixed": dict(report.fixed),
                  "ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()}}
     if report.train is not None:
         t = report.train

@@ -117,7 +117,7 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
           loss_fn: LossFn | None = None, optimizer: OptimizerFactory | None = None,
           hints: dict[str, int] | None = None, keep_outputs: bool = True,
           limits: dict[str, int] | None = None, patches=None, precision=None,
-          accumulate: int = 1, transform=None) -> Trace:
+          accumulate: int = 1, transform=None, compiled: bool = False) -> Trace:
     """Run ``model`` symbolically and return its :class:`Trace`.
 
     Parameters
@@ -140,6 +140,9 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
     transform : callable, optional
         ``transform(model)`` applied to a copy of the model with fake parameters, inside the
         symbolic run and before the optimizer is built (see :mod:`strategies`).
+    compiled : bool
+        Run the forward as ``torch.compile(model, fullgraph=True)`` partitions it: AOTAutograd
+        with Inductor's decompositions and min-cut partitioner (see :mod:`tracer.compiled`).
     """
     if device not in DEVICES:
         raise InputError(f"unknown device {device!r}", hint=f"use one of {', '.join(DEVICES)}")
@@ -158,7 +161,7 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
                                      loss_fn=loss_fn, optimizer=optimizer, constants=constants,
                                      keep_outputs=keep_outputs, patches=patches,
                                      precision=precision, accumulate=accumulate,
-                                     transform=transform)
+                                     transform=transform, compiled=compiled)
     user = {n: symbol(n) for n in table.raw}
     to_user = {raw: user[n] for n, raw in table.raw.items()}
     ranges, guards = _validity(shape_env, table, to_user, limits or {}, run.specialized)

@@ -153,6 +153,15 @@ class Recorder(TorchDispatchMode):
                 break
 
     @contextlib.contextmanager
+    def paused(self):
+        """Inside: ops are not recorded (they are not the run's, e.g. a compiler tracing)."""
+        was, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = was
+
+    @contextlib.contextmanager
     def skip_sharding_propagation(self):
         """Do not record what DTensor runs on the side, which a real run spends no device memory
         on: the ops it runs to derive output shapes (they reuse the run's own fake mode), and
@@ -290,6 +299,22 @@ class Recorder(TorchDispatchMode):
         if ns not in CHECKED_NAMESPACES and any(
                 isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
             self.run.other_ops[name] = self.run.other_ops.get(name, 0) + 1
+        self._record(name, inputs, out, _flops(func, args, kwargs, out))
+        return out
+
+    def release(self, t: torch.Tensor) -> None:
+        """``t``'s storage is released now, though Python still holds it for a moment (a
+        compiled kernel writes its result over this buffer: :mod:`tracer.compiled`)."""
+        sid = self.sid_of(t)
+        if sid is not None:
+            self._release(id(local(t).untyped_storage()), sid)
+
+    def record_fused(self, name: str, inputs: list, out) -> None:
+        """Record ``out`` as one op's result: a fused kernel whose inner ops ran unrecorded
+        (:mod:`tracer.compiled`) reads ``inputs`` and allocates only ``out``."""
+        self._record(name, tuple(self._input_index(t) for t in inputs), out, 0)
+
+    def _record(self, name: str, inputs: tuple, out, flops) -> None:
         node = None
         if self.phase is Phase.BACKWARD:
             n = torch._C._current_autograd_node()
@@ -302,9 +327,8 @@ class Recorder(TorchDispatchMode):
                 metas.append(self._meta(t, sid, fresh))
                 self._producer[t] = idx
         self.run.ops.append(OpRecord(idx, name, inputs, tuple(metas), self.module, self.phase,
-                                     node, _flops(func, args, kwargs, out)))
+                                     node, flops))
         self.current_op = None
-        return out
 
 
 def _flops(func, args, kwargs, out):

@@ -281,14 +281,15 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
              hints: dict[str, int], train: bool, loss_fn: LossFn | None = None,
              optimizer: OptimizerFactory | None = None, constants: dict | None = None,
              keep_outputs: bool = True, patches: Callable | None = None,
-             precision=None, accumulate: int = 1, transform: Callable | None = None
-             ) -> tuple[RunRecord, ShapeEnv, SymbolTable]:
+             precision=None, accumulate: int = 1, transform: Callable | None = None,
+             compiled: bool = False) -> tuple[RunRecord, ShapeEnv, SymbolTable]:
     """Run one training step (``train=True``) or one inference forward symbolically.
 
     ``precision``: a :mod:`tracer.precision` mode. ``accumulate``: micro-batches per optimizer
     step (gradient accumulation); micro-steps after the second repeat the second exactly (the
     gradients exist, the previous output is released when the next forward returns), so two are
-    run for any ``accumulate >= 2``.
+    run for any ``accumulate >= 2``. ``compiled``: the forward runs as ``torch.compile`` would
+    partition it (:mod:`tracer.compiled`).
     """
     from .precision import forward_context, precision as _precision, step_context, wrap_optimizer
 
@@ -336,6 +337,10 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             stack.enter_context(_no_cuda_autocast())
             stack.enter_context(step_context(prec, device))
             _register(recorder, model, inputs)
+            call = model
+            if compiled:
+                from .compiled import CompiledForward
+                call = CompiledForward(model, recorder)
             if train:
                 _warm_up(recorder, opt, trainable, device, scaler)
             recorder.run.start = len(recorder.run.events)
@@ -347,7 +352,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
                     with torch.autograd.graph.saved_tensors_hooks(
                             lambda t: (recorder.mark_saved(t), t)[1], lambda t: t):
                         with forward_context(prec):
-                            out = model(**inputs, **constants)
+                            out = call(**inputs, **constants)
                             recorder.mark(Phase.LOSS)
                             loss = loss_fn(out)
                             _check_loss(loss)
@@ -369,7 +374,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             else:
                 recorder.mark(Phase.FORWARD)
                 with torch.no_grad(), forward_context(prec):
-                    out = model(**inputs, **constants)
+                    out = call(**inputs, **constants)
             record = recorder.finish()
             record.specialized = list(recorder.specialized)
             out = loss = None
