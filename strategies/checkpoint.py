@@ -221,6 +221,68 @@ def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int, *, bas
 
 
 @dataclass
+class Band:
+    """Sizes ``lo..hi`` of one symbol (say S) for which one plan is the optimal one."""
+
+    blocks: int             # leading blocks checkpointed
+    plan: list[str]
+    lo: int
+    hi: int
+    result: PlanResult
+
+
+def plans_over_range(model, inputs: dict, point: dict[str, int], name: str, lo: int, hi: int,
+                     budget: int, *, base=None, cache: dict | None = None,
+                     **kw) -> list[Band]:
+    """The optimal plan (:func:`optimal_plan`) for every size of symbol ``name`` in
+    ``lo..hi``, the other symbols at ``point``: bands of sizes, each with the fewest leading
+    blocks that fit there. Each block count is traced once; its symbolic peak gives the largest
+    size it fits by bisection, as :mod:`analysis.budget` finds the largest batch, so this
+    assumes the peak grows with the size (true of every model seen; a model whose peak shrinks
+    as the size grows would be mis-banded). Sizes that do not fit even with every block
+    checkpointed are left out: the last band ends before ``hi`` then. ``cache`` as in
+    :func:`optimal_plan`.
+    """
+    if lo > hi:
+        raise InputError(f"range {name}={lo}:{hi} is empty", hint="give LO:HI with LO <= HI")
+    found = blocks(model)
+    cache = cache if cache is not None else {}
+    kw = {**kw, "inference": False}
+
+    def fits(res: PlanResult, v: int) -> bool:
+        return res.report.at(**{**point, name: v})["train"]["peak"] <= budget
+
+    first = optimal_plan(model, inputs, {**point, name: lo}, budget, base=base, cache=cache,
+                         **kw)
+    if first is None:
+        return []
+    base = base if base is not None else cache[0].report
+    bands: list[Band] = []
+    k, v = len(first.plan), lo
+    while True:
+        res = cache[k]
+        a, b = v, hi + 1        # fits at a; b does not (or is past the range)
+        if fits(res, hi):
+            a = hi
+        else:
+            while b - a > 1:
+                mid = (a + b) // 2
+                a, b = (mid, b) if fits(res, mid) else (a, mid)
+        bands.append(Band(k, list(res.plan), v, a, res))
+        v = a + 1
+        if v > hi:
+            return bands
+        while True:             # the next count that fits at v
+            k += 1
+            if k > len(found):
+                return bands
+            if k not in cache:
+                cache[k] = evaluate_plan(model, inputs, found[:k], base=base, **kw)
+            if fits(cache[k], v):
+                break
+
+
+@dataclass
 class Ranked:
     """One row of "layers worth checkpointing": a module or a group of identical ones."""
 

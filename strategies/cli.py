@@ -143,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--budget", metavar="SIZE",
                    help="the tensor peak to fit, e.g. 20GiB (no overheads or margin added)")
     c.add_argument("--top", type=int, default=10, help="rows of the ranking (default 10)")
+    c.add_argument("--range", metavar="S=LO:HI", dest="size_range",
+                   help="with --plan optimal: the optimal plan for every size LO..HI of one "
+                        "symbol (the other symbols from --at)")
     sub.add_parser("gpus", help="list the GPU catalog")
     return p
 
@@ -334,6 +337,9 @@ def _checkpoint(args) -> int:
     if args.plan == "optimal" and setup is None and not args.budget:
         raise UsageError("--plan optimal needs a budget",
                          hint="give --budget 20GiB, --gpu NAME or --memory SIZE")
+    rng = _size_range(args.size_range, args.plan) if args.size_range else None
+    if rng is not None:
+        point = {**(point or {}), rng[0]: rng[2]}   # the plan shown fits the whole range
     if args.plan == "optimal" and point is None:
         raise UsageError("--plan optimal needs a point", hint="give --at B=...,S=...")
     model = load_target(args.target)
@@ -346,16 +352,45 @@ def _checkpoint(args) -> int:
         device, cap, overheads = setup
         budget = ck.budget_bytes(base, point, capacity=device.bytes if cap is None else cap,
                                  margin=args.margin, gpu=device, overheads=overheads)
-    if args.plan == "optimal":
+    bands = None
+    if rng is not None:
+        name, lo, hi = rng
+        bands = ck.plans_over_range(model, specs, point, name, lo, hi, budget, base=base, **kw)
+        result = bands[-1].result if bands and bands[-1].hi == hi else None
+    elif args.plan == "optimal":
         result = ck.optimal_plan(model, specs, point, budget, base=base, **kw)
     else:
         result = ck.evaluate_plan(model, specs, ck.named_plan(model, args.plan), base=base, **kw)
     rank = ck.ranking(base)
     if args.json:
-        print(json.dumps(checkpoint_json(base, result, rank, point, budget), indent=2))
+        doc = checkpoint_json(base, result, rank, point, budget)
+        if bands is not None:
+            doc["bands"] = [{"symbol": rng[0], "from": b.lo, "to": b.hi, "blocks": b.blocks,
+                             "plan": list(b.plan)} for b in bands]
+        print(json.dumps(doc, indent=2))
     else:
-        print(checkpoint_text(base, result, rank, point, budget, args.plan, top=args.top))
+        text = checkpoint_text(base, result, rank, point, budget, args.plan, top=args.top)
+        if bands is not None:
+            from .render import bands_text
+            text += "\n\n" + bands_text(bands, rng, budget, len(ck.blocks(model)))
+        print(text)
     return 0 if result is not None else 1
+
+
+def _size_range(text: str, plan: str):
+    """``S=512:4096`` -> ("S", 512, 4096)."""
+    name, eq, rest = text.partition("=")
+    lo, colon, hi = rest.partition(":")
+    try:
+        lo_v, hi_v = int(lo), int(hi)
+    except ValueError:
+        lo_v = hi_v = None
+    if not eq or not colon or lo_v is None or not 1 <= lo_v <= hi_v:
+        raise UsageError(f"--range {text!r} is not NAME=LO:HI with 1 <= LO <= HI",
+                         hint="e.g. --range S=512:4096")
+    if plan != "optimal":
+        raise UsageError("--range goes with --plan optimal", hint="drop --plan or --range")
+    return name.strip(), lo_v, hi_v
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -357,3 +357,17 @@ def checkpoint_text(base: Report, result, ranking, point, budget, plan: str, top
         out += ["", "Apply it:", "    from strategies.checkpoint import apply_checkpointing",
                 f"    apply_checkpointing(model, {names!r})"]
     return "\n".join(out)
+
+
+def bands_text(bands, rng, budget, total: int) -> str:
+    """``memsim checkpoint --range``: which plan is optimal for which sizes."""
+    name, lo, hi = rng
+    rows = [[f"{b.lo}..{b.hi}", f"{b.blocks} of {total}",
+             ", ".join(b.plan[:3]) + (" ..." if len(b.plan) > 3 else "") or "(nothing)"]
+            for b in bands]
+    out = [f"Optimal plan for {name} = {lo}..{hi} under {human(budget)}",
+           tabulate(rows, headers=[name, "blocks checkpointed", "modules"])]
+    end = bands[-1].hi if bands else lo - 1
+    if end < hi:
+        out.append(f"{name} = {end + 1}..{hi}: does not fit even with every block checkpointed")
+    return "\n".join(out)

@@ -10,7 +10,7 @@ import torch
 import zoo
 from oracle import check, predict
 from strategies.checkpoint import (apply_checkpointing, blocks, named_plan, optimal_plan,
-                                   ranking)
+                                   plans_over_range, ranking)
 from strategies.cli import main
 from tracer import InputError
 
@@ -74,6 +74,45 @@ def test_optimal_plan_fits_with_fewest_blocks_real_run(frac):
     factory = lambda: apply_checkpointing(tiny(), res.plan)  # noqa: E731
     check(res.report, factory, GPT, [pt])  # the advised plan, run for real
     assert res.recompute_flops != 0
+
+
+def test_plans_over_a_range_of_S():
+    """Bands of S, each with its optimal plan: contiguous, more blocks as S grows, each band
+    the point-wise optimum at its ends, and the last band's plan run for real at its top."""
+    with torch.device("meta"):
+        m = tiny()
+    none = plain()
+    budget = int(none.at(B=4, S=40)["train"]["peak"] * 0.9)
+    bands = plans_over_range(m, GPT, {"B": 4}, "S", 8, 64, budget, device="cpu", base=none,
+                             cache=_SHARED)
+    assert len(bands) >= 2 and bands[0].lo == 8
+    for a, b in zip(bands, bands[1:]):
+        assert b.lo == a.hi + 1 and b.blocks > a.blocks
+    for b in bands:
+        for s in {b.lo, b.hi}:
+            opt = optimal_plan(m, GPT, {"B": 4, "S": s}, budget, device="cpu", base=none,
+                               cache=_SHARED)
+            assert len(opt.plan) == b.blocks, (b.lo, b.hi, s)
+    last = bands[-1]
+    if last.hi < 64:   # not even every block fits beyond the last band
+        assert optimal_plan(m, GPT, {"B": 4, "S": last.hi + 1}, budget, device="cpu",
+                            base=none, cache=_SHARED) is None
+    check(last.result.report, lambda: apply_checkpointing(tiny(), last.plan), GPT,
+          [{"B": 4, "S": last.hi}])
+
+
+def test_cli_checkpoint_range(capsys):
+    args = ["checkpoint", "tests.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",
+            "targets=int64[B,S]", "--device", "cpu", "--at", "B=4", "--budget", "1MiB",
+            "--range", "S=8:64"]
+    code = main(args + ["--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["bands"] and doc["bands"][0]["from"] == 8 and doc["at"]["S"] == 64
+    assert code == (0 if doc["bands"][-1]["to"] == 64 else 1)
+    main(args)
+    assert "Optimal plan for S = 8..64" in capsys.readouterr().out
+    assert main(args + ["--plan", "blocks"]) == 2
+    assert main(args[:-1] + ["S=64:8"]) == 2
 
 
 def test_ranking_groups_repeated_blocks():
