@@ -8,6 +8,10 @@ for backward and the peak, with the gap. Run on demand (Inductor compiles C++ ke
 5 minutes on 2 cores with a cold cache)::
 
     python benchmarks/compiled.py [names...]     # mlp cnn block_softmax block_sdpa ...
+    python benchmarks/compiled.py --plan blocks tiny_gpt gpt2 llama   # with checkpointing
+
+``--plan NAME`` (a named plan of ``strategies.checkpoint``) checkpoints those modules in both
+the prediction and the real run (``torch.compile`` turns each region into recomputation).
 
 HF models: ``model.loss_type`` is set, because transformers' fallback path logs a warning that
 ``torch.compile(fullgraph=True)`` refuses (a graph break on ``logger.warning_once``).
@@ -25,6 +29,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import zoo  # noqa: E402
 from analysis import analyze  # noqa: E402
 from analysis.measure import example_inputs, materialize, measure_compiled_train  # noqa: E402
+from strategies.checkpoint import apply_checkpointing, checkpointed, named_plan  # noqa: E402
 
 
 def _lm(m):
@@ -61,7 +66,7 @@ CASES = {
 }
 
 
-def main(names):
+def main(names, plan_name="none"):
     torch.set_num_threads(1)
     print("| model | point | saved: memsim | saved: compiled run | peak: memsim | "
           "peak: compiled run | peak gap |")
@@ -72,18 +77,26 @@ def main(names):
             t0 = time.time()
             with torch.device("meta"):
                 model = factory()
-            got = analyze(model, inputs, device="cpu", compiled=True, inference=False,
-                          hints=pt).at(**pt)["train"]
+            plan = named_plan(model, plan_name)
+            with checkpointed(model, plan):
+                got = analyze(model, inputs, device="cpu", compiled=True, inference=False,
+                              hints=pt).at(**pt)["train"]
             t1 = time.time()
             torch.manual_seed(0)
-            real = measure_compiled_train(materialize(factory()), example_inputs(inputs, pt))
+            real_model = apply_checkpointing(materialize(factory()), plan)
+            real = measure_compiled_train(real_model, example_inputs(inputs, pt))
             gap = (got["peak"] - real.peak) / real.peak * 100
             at = ",".join(f"{k}={v}" for k, v in pt.items())
-            print(f"| {name} | {at} | {got['saved_activations']:,} | {real.saved:,} | "
+            label = name if not plan else f"{name}, {plan_name}"
+            print(f"| {label} | {at} | {got['saved_activations']:,} | {real.saved:,} | "
                   f"{got['peak']:,} | {real.peak:,} | {gap:+.2f}% |", flush=True)
             print(f"  (memsim {t1 - t0:.1f} s, compile+run {time.time() - t1:.1f} s)",
                   file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(CASES))
+    args = sys.argv[1:]
+    plan_name = "none"
+    if args[:1] == ["--plan"]:
+        plan_name, args = args[1], args[2:]
+    main(args or list(CASES), plan_name)

@@ -23,6 +23,10 @@ saves 23-30% more in a real run). The saved-for-backward bytes are exact for the
 chosen at the example sizes; the peak is close to, not equal to, a compiled run's
 (``benchmarks/compiled.py`` prints the gaps; ``tests/test_compiled.py`` checks them).
 
+Activation checkpointing (non-reentrant ``torch.utils.checkpoint`` regions in the model) is
+compiled as Dynamo rewrites it (:func:`compiled_checkpoint`): the region's ops are tagged for the
+partitioner to recompute, random ops in it save and replay the generator's state.
+
 Dynamo is not run: the forward is traced as one graph, which is what ``fullgraph=True`` demands.
 A model that needs graph breaks (data-dependent Python control flow) is reported, not split.
 """
@@ -31,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import operator
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -87,6 +93,42 @@ class CompiledForward:
         out = fn(*tensors)
         tensors = kwargs = None
         return flat.rebuild(out)
+
+
+_AC_GRAPH_IDS = itertools.count(1)
+
+
+def compiled_checkpoint(generator, fn, context_fn, rest: tuple, kwargs: dict):
+    """Non-reentrant checkpointing's ``generator`` for one region, run as Dynamo rewrites
+    ``torch.utils.checkpoint`` (``torch._higher_order_ops.wrap.tag_activation_checkpoint``):
+    every op of the region is tagged ``PREFER_RECOMPUTE`` with the region's ``ac_graph_id`` (a
+    user's selective policy, given as ``context_fn``, tags as it decides), its outputs are
+    cached rather than run again, and the partitioner then recomputes the tagged ops in
+    backward instead of saving them. The tags reach the graph's nodes through fx's node
+    metadata, kept for this region only. ``rest`` is ``(determinism_check, debug, early_stop,
+    *args)``."""
+    with torch.fx.traceback.preserve_node_meta():
+        yield from generator(fn, *_compiled_args(context_fn, rest), **kwargs)
+
+
+def _compiled_args(context_fn, rest: tuple) -> tuple:
+    from torch.utils.checkpoint import (CheckpointPolicy, create_selective_checkpoint_contexts,
+                                        noop_context_fn)
+
+    graph_id = next(_AC_GRAPH_IDS)
+    user = context_fn
+
+    def tagging():
+        if user is noop_context_fn:
+            fwd, rec = create_selective_checkpoint_contexts(
+                lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+        else:
+            fwd, rec = user()
+        fwd.ac_graph_id = graph_id
+        return fwd, rec
+
+    determinism_check, debug, _early_stop, *args = rest
+    return (False, tagging, determinism_check, debug, False, *args)
 
 
 @contextlib.contextmanager
@@ -146,7 +188,8 @@ _POINTWISE_EXTRA = {"convert_element_type", "_to_copy", "clone", "full", "scalar
 
 def _kind(node: torch.fx.Node) -> str:
     """How Inductor lowers ``node``: ``pointwise``, ``view``, ``reduction`` or ``other``."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+            or node.meta.get("memsim_extern"):
         return "other"
     op = node.target
     name = op._opname
@@ -177,6 +220,9 @@ def fuse(gm: torch.fx.GraphModule, recorder, backward: bool = False) -> None:
     that includes the saved activations AOTAutograd hands over (not parameters or tangents).
     """
     graph = gm.graph
+    regions = {n.meta.get("ac_graph_id") for n in graph.nodes} - {None}
+    recorder.run.checkpoint_regions = max(recorder.run.checkpoint_regions, len(regions))
+    _unwrap_rng(graph)
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target in _SIZE_QUERIES:
             # A size read does not need its tensor computed: the (symbolic) size is known.
@@ -242,6 +288,60 @@ def fuse(gm: torch.fx.GraphModule, recorder, backward: bool = False) -> None:
         graph.erase_node(n)
     graph.eliminate_dead_code()
     gm.recompile()
+
+
+def _unwrap_rng(graph: torch.fx.Graph) -> None:
+    """Random ops in checkpointed regions: the partitioner wraps each one that backward
+    recomputes in ``run_and_save_rng_state`` (forward: the generator's state is saved with the
+    result) and ``run_with_rng_state`` (backward). Inductor runs both as fallback kernels, so
+    here the op becomes an unfused kernel of its own and the saved state an allocation of the
+    generator's state size (CPU: ``torch.get_rng_state()``, 5,056 bytes). Any other
+    higher-order op is reported, not guessed."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    for n in list(graph.nodes):
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator):
+            continue
+        if n.target is run_and_save_rng_state:
+            op, args = n.args[0], n.args[1:]
+        elif n.target is run_with_rng_state:
+            op, args = n.args[1], n.args[2:]
+        else:
+            raise TraceError(f"compiled: the partitioned graph calls {n.target.name()}, which "
+                             "memsim has no memory rule for",
+                             hint="analyse the model without --compiled")
+        fake = torch.fx.node.map_arg((tuple(args), dict(n.kwargs)), lambda a: a.meta["val"])
+        with graph.inserting_before(n):
+            if n.target is run_and_save_rng_state:
+                call = graph.call_function(op, tuple(args), dict(n.kwargs))
+            else:   # the saved state is read here, and freed after
+                call = graph.call_function(_WithState(op), (n.args[0], *args), dict(n.kwargs))
+            call.meta = {"val": op(*fake[0], **fake[1]), "memsim_extern": True}
+            if n.target is run_and_save_rng_state:
+                size = torch.get_rng_state().numel()
+                empty = graph.call_function(
+                    torch.ops.aten.empty.memory_format, ([size],),
+                    {"dtype": torch.uint8, "device": torch.device("cpu")})
+                empty.meta = {"val": torch.empty(size, dtype=torch.uint8, device="meta")}
+                for u in list(n.users):
+                    if u.target is not operator.getitem:
+                        raise TraceError("compiled: unexpected use of run_and_save_rng_state")
+                    u.replace_all_uses_with(empty if u.args[1] == 0 else call)
+                    graph.erase_node(u)
+            else:
+                n.replace_all_uses_with(call)
+        graph.erase_node(n)
+
+
+class _WithState:
+    """``run_with_rng_state(state, op, *args)``: ``op(*args)``, reading ``state``."""
+
+    def __init__(self, op):
+        self.op = op
+        self.__name__ = f"with_rng_state_{op._opname}" if hasattr(op, "_opname") else "op"
+
+    def __call__(self, state, *args, **kwargs):
+        return self.op(*args, **kwargs)
 
 
 _SIZE_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,

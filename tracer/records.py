@@ -141,3 +141,4 @@ class RunRecord:
     phase_ends: dict = field(default_factory=dict)  # Phase -> index into events at its end
     other_ops: dict = field(default_factory=dict)   # op name -> count, ops outside aten/prims
     specialized: list = field(default_factory=list)  # (raw symbol, value, op, module, source)
+    checkpoint_regions: int = 0   # --compiled: regions torch.compile recomputes (tagged)

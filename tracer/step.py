@@ -437,6 +437,10 @@ def _modes_in_recompute():
 
     def generator(fn, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, *rest,
                   **kwargs):
+        if torch.compiler.is_compiling():
+            # --compiled: checkpoint as Dynamo rewrites it (nothing runs again eagerly).
+            from .compiled import compiled_checkpoint
+            return compiled_checkpoint(orig, fn, context_fn, rest, kwargs)
         modes = list(_get_current_function_mode_stack())
 
         def context():
