@@ -285,7 +285,8 @@ def main(argv=None) -> int:
     for frac in fracs:
         budget = int(frac * m0.peak)
         # memsim
-        res = optimal_plan(meta, GPT, pt, budget, device="cpu", base=base, cache=cache)
+        res = optimal_plan(meta, GPT, pt, budget, device="cpu", base=base, cache=cache,
+                           search="blocks")
         if res is None:
             rows.append((frac, "memsim", "does not fit", *[""] * 7))
         else:

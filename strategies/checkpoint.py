@@ -14,8 +14,8 @@ Named plans (:func:`named_plan`):
 - ``selective``: the attention module of every block (a child whose name contains ``attn`` or
   ``attention``). Korthikanti et al. 2022 recompute only the attention core (QK^T, softmax,
   dropout, ·V); a module-level plan also recomputes the Q/K/V and output projections;
-- ``optimal``: the fewest blocks whose checkpointing brings the peak under a budget (see
-  :func:`optimal_plan`).
+- ``optimal``: the plan with the least recompute that brings the peak under a budget: whole
+  blocks or modules inside them (see :func:`optimal_plan` and :func:`mixed_plan`).
 
 >>> import torch
 >>> class Net(torch.nn.Module):
@@ -175,16 +175,24 @@ def evaluate_plan(model, inputs: dict, plan: list[str], *, base=None, **kw) -> P
     return PlanResult(list(plan), rep, total, sympy.expand(total - step_flops(base.train)))
 
 
-def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int, *, base=None,
-                 cache: dict | None = None, **kw) -> PlanResult | None:
-    """The fewest leading blocks to checkpoint so that the step's peak fits ``budget`` bytes.
+SEARCHES = ("modules", "blocks")
 
-    Blocks are identical, so recompute grows with their number: the least recompute is the
-    smallest count ``k`` that fits, found by bisection over ``k`` (the peak shrinks as blocks
-    are added), each ``k`` traced with the first ``k`` blocks checkpointed. Exact for plans made
-    of whole blocks; which ``k`` blocks are chosen can move transient peaks by less than one
-    block's activations (not searched). None when not even every block fits. ``cache``
-    (``{k: PlanResult}``) lets several budgets share the traces of one model and inputs.
+
+def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int, *, base=None,
+                 cache: dict | None = None, search: str = "modules", **kw) -> PlanResult | None:
+    """The plan with the least recompute whose step peak fits ``budget`` bytes at ``point``;
+    None when no plan searched fits.
+
+    ``search="blocks"``: the fewest leading whole blocks. Blocks are identical, so recompute
+    grows with their number: the least recompute is the smallest count ``k`` that fits, found by
+    bisection over ``k`` (the peak shrinks as blocks are added), each ``k`` traced with the first
+    ``k`` blocks checkpointed. Which ``k`` blocks are chosen can move transient peaks by less
+    than one block's activations (not searched).
+
+    ``search="modules"``: also the modules inside the blocks (see :func:`mixed_plan`).
+
+    ``cache`` (keyed by block count, or by plan) lets several budgets and sizes share the traces
+    of one model and inputs: every trace is symbolic, so it answers at any point.
     """
     from analysis import analyze
 
@@ -194,6 +202,10 @@ def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int, *, bas
     found = blocks(model)
     if not found:
         raise InputError("plan 'optimal': the model has no repeated blocks")
+    if search == "modules":
+        return mixed_plan(model, inputs, point, budget, base=base, cache=cache, **kw)
+    if search != "blocks":
+        raise UsageError(f"unknown search {search!r}", hint=f"use one of {', '.join(SEARCHES)}")
 
     def peak(res: PlanResult) -> int:
         return res.report.at(**point)["train"]["peak"]
@@ -220,11 +232,107 @@ def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int, *, bas
     return run(hi)
 
 
+def block_options(model, base, point: dict[str, int]) -> list[tuple[str, ...]]:
+    """What the ``modules`` search may checkpoint in each block: the whole block, or one of its
+    children that saves bytes for backward at ``point`` (its attention, its MLP, a norm...), as
+    paths relative to the block (``""`` is the block itself; blocks are identical, the first
+    one is read)."""
+    found = blocks(model)
+    step = base.train
+    saved = {m.path: step.evaluate(m.saved, point) for m in base.modules}
+    first = dict(model.named_modules())[found[0]]
+    return [("",)] + [(name,) for name, _ in first.named_children()
+                      if saved.get(f"{found[0]}.{name}", 0) > 0]
+
+
+def mixed_plan(model, inputs: dict, point: dict[str, int], budget: int, *, base,
+               cache: dict | None = None, **kw) -> PlanResult | None:
+    """The least-recompute plan of the form "option H in the first k blocks, option L in the
+    others", over every pair of options of :func:`block_options` (and nothing), whose peak at
+    ``point`` fits ``budget``.
+
+    Exact search over that family: for each pair, the smallest ``k`` that fits is found by
+    bisection on traced plans (the peak shrinks as k grows when H saves more than L), and the
+    plan with the least recompute FLOPs (torch.utils.flop_counter's formulas; ties: fewer
+    modules, then lower peak) wins. Every plan it compares is traced, so the peak it reports is
+    the plan's own, not an estimate; each option's recompute per block (measured on the trace
+    of that option in every block) only prunes pairs that cannot beat the best plan found. Limits: at most two options per plan, options are the block or one child
+    (not grandchildren, not two children of one block), and H goes to the leading blocks.
+    Includes the ``blocks`` search's answer (H = the block, L = nothing).
+    """
+    found = blocks(model)
+    n = len(found)
+    results: dict = cache if cache is not None else {}
+
+    def plan_of(heavy, light, k: int) -> list[str]:
+        out: list[str] = []
+        for i, b in enumerate(found):
+            for r in (heavy if i < k else light) or ():
+                out.append(f"{b}.{r}" if r else b)
+        return out
+
+    def run(plan: list[str]) -> PlanResult:
+        key = ("plan", tuple(plan))
+        if key not in results:
+            results[key] = evaluate_plan(model, inputs, plan, base=base, **kw)
+        return results[key]
+
+    def peak(res: PlanResult) -> int:
+        return res.report.at(**point)["train"]["peak"]
+
+    def score(res: PlanResult) -> tuple:
+        t = res.report.train
+        return (t.evaluate(res.recompute_flops, point), len(res.plan), peak(res))
+
+    none = run([])
+    if peak(none) <= budget:
+        return none
+    every = {o: run(plan_of(o, None, n)) for o in block_options(model, base, point)}
+    # Recompute per block of each option, measured (regions recompute independently; early
+    # stop makes it less than the module's forward).
+    per = {o: score(r)[0] // n for o, r in every.items()}
+    opts = sorted(per.items(), key=lambda kv: kv[1])
+    best: PlanResult | None = None
+    for o, _ in opts:
+        if peak(every[o]) <= budget and (best is None or score(every[o]) < score(best)):
+            best = every[o]
+    lights = [(None, 0)] + opts
+    for heavy, fh in opts:
+        if peak(every[heavy]) > budget:
+            continue
+        for light, fl in lights:
+            if light == heavy or fh <= fl:
+                continue    # a cheaper heavy option that fits everywhere is tried on its own
+            if light is not None and peak(every[light]) <= budget:
+                continue    # light alone fits: k = 0, already a candidate
+            if light is not None and peak(every[light]) <= peak(every[heavy]):
+                continue    # heavy does not save more than light
+            kmax = n
+            if best is not None:   # the largest k that could still cost less than the best
+                b = score(best)[0]
+                if n * fl >= b:
+                    continue
+                kmax = min(n, -(-(b - n * fl) // (fh - fl)) - 1)
+                if kmax < 1 or peak(run(plan_of(heavy, light, kmax))) > budget:
+                    continue
+            lo, hi = 0, kmax   # lo does not fit, hi fits
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if peak(run(plan_of(heavy, light, mid))) <= budget:
+                    hi = mid
+                else:
+                    lo = mid
+            res = run(plan_of(heavy, light, hi))
+            if best is None or score(res) < score(best):
+                best = res
+    return best
+
+
 @dataclass
 class Band:
     """Sizes ``lo..hi`` of one symbol (say S) for which one plan is the optimal one."""
 
-    blocks: int             # leading blocks checkpointed
+    blocks: int             # blocks with something checkpointed in them
     plan: list[str]
     lo: int
     hi: int
@@ -233,34 +341,38 @@ class Band:
 
 def plans_over_range(model, inputs: dict, point: dict[str, int], name: str, lo: int, hi: int,
                      budget: int, *, base=None, cache: dict | None = None,
-                     **kw) -> list[Band]:
-    """The optimal plan (:func:`optimal_plan`) for every size of symbol ``name`` in
-    ``lo..hi``, the other symbols at ``point``: bands of sizes, each with the fewest leading
-    blocks that fit there. Each block count is traced once; its symbolic peak gives the largest
-    size it fits by bisection, as :mod:`analysis.budget` finds the largest batch, so this
-    assumes the peak grows with the size (true of every model seen; a model whose peak shrinks
-    as the size grows would be mis-banded). Sizes that do not fit even with every block
-    checkpointed are left out: the last band ends before ``hi`` then. ``cache`` as in
-    :func:`optimal_plan`.
+                     search: str = "modules", **kw) -> list[Band]:
+    """The optimal plan (:func:`optimal_plan`, with ``search``) for every size of symbol
+    ``name`` in ``lo..hi``, the other symbols at ``point``: bands of sizes, each with one plan.
+
+    From the smallest size up: the optimal plan there, then the largest size its (symbolic)
+    peak fits by bisection, as :mod:`analysis.budget` finds the largest batch; that plan is the
+    optimum over the whole band, since a cheaper plan that fitted a larger size would fit the
+    smaller one too. This assumes the peak grows with the size (true of every model seen; a
+    model whose peak shrinks as the size grows would be mis-banded). Traces are shared through
+    ``cache``: each plan is traced once for the whole range. Sizes that do not fit with any plan
+    searched are left out: the last band ends before ``hi`` then.
     """
     if lo > hi:
         raise InputError(f"range {name}={lo}:{hi} is empty", hint="give LO:HI with LO <= HI")
-    found = blocks(model)
+    from analysis import analyze
+
     cache = cache if cache is not None else {}
     kw = {**kw, "inference": False}
+    if base is None:
+        base = analyze(model, inputs, **kw)
 
     def fits(res: PlanResult, v: int) -> bool:
         return res.report.at(**{**point, name: v})["train"]["peak"] <= budget
 
-    first = optimal_plan(model, inputs, {**point, name: lo}, budget, base=base, cache=cache,
-                         **kw)
-    if first is None:
-        return []
-    base = base if base is not None else cache[0].report
+    found = set(blocks(model))
     bands: list[Band] = []
-    k, v = len(first.plan), lo
-    while True:
-        res = cache[k]
+    v = lo
+    while v <= hi:
+        res = optimal_plan(model, inputs, {**point, name: v}, budget, base=base, cache=cache,
+                           search=search, **kw)
+        if res is None:
+            break
         a, b = v, hi + 1        # fits at a; b does not (or is past the range)
         if fits(res, hi):
             a = hi
@@ -268,18 +380,10 @@ def plans_over_range(model, inputs: dict, point: dict[str, int], name: str, lo: 
             while b - a > 1:
                 mid = (a + b) // 2
                 a, b = (mid, b) if fits(res, mid) else (a, mid)
-        bands.append(Band(k, list(res.plan), v, a, res))
+        touched = {p for p in found if any(q == p or q.startswith(p + ".") for q in res.plan)}
+        bands.append(Band(len(touched), list(res.plan), v, a, res))
         v = a + 1
-        if v > hi:
-            return bands
-        while True:             # the next count that fits at v
-            k += 1
-            if k > len(found):
-                return bands
-            if k not in cache:
-                cache[k] = evaluate_plan(model, inputs, found[:k], base=base, **kw)
-            if fits(cache[k], v):
-                break
+    return bands
 
 
 @dataclass

@@ -143,6 +143,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--budget", metavar="SIZE",
                    help="the tensor peak to fit, e.g. 20GiB (no overheads or margin added)")
     c.add_argument("--top", type=int, default=10, help="rows of the ranking (default 10)")
+    c.add_argument("--search", choices=("modules", "blocks"), default="modules",
+                   help="with --plan optimal: what it may checkpoint: 'modules' (default) a "
+                        "block or one of its children (attention, MLP, ...) in each block, two "
+                        "kinds per plan; 'blocks' whole blocks only (fewer traces)")
     c.add_argument("--range", metavar="S=LO:HI", dest="size_range",
                    help="with --plan optimal: the optimal plan for every size LO..HI of one "
                         "symbol (the other symbols from --at)")
@@ -358,15 +362,19 @@ def _checkpoint(args) -> int:
     bands = None
     if rng is not None:
         name, lo, hi = rng
-        bands = ck.plans_over_range(model, specs, point, name, lo, hi, budget, base=base, **kw)
+        bands = ck.plans_over_range(model, specs, point, name, lo, hi, budget, base=base,
+                                    search=args.search, **kw)
         result = bands[-1].result if bands and bands[-1].hi == hi else None
     elif args.plan == "optimal":
-        result = ck.optimal_plan(model, specs, point, budget, base=base, **kw)
+        result = ck.optimal_plan(model, specs, point, budget, base=base, search=args.search,
+                                 **kw)
     else:
         result = ck.evaluate_plan(model, specs, ck.named_plan(model, args.plan), base=base, **kw)
     rank = ck.ranking(base)
     if args.json:
         doc = checkpoint_json(base, result, rank, point, budget)
+        if args.plan == "optimal":
+            doc["search"] = args.search
         if bands is not None:
             doc["bands"] = [{"symbol": rng[0], "from": b.lo, "to": b.hi, "blocks": b.blocks,
                              "plan": list(b.plan)} for b in bands]

@@ -62,7 +62,8 @@ def test_optimal_plan_fits_with_fewest_blocks_real_run(frac):
     pt = {"B": 4, "S": 40}
     none = plain()
     budget = int(none.at(**pt)["train"]["peak"] * frac)
-    res = optimal_plan(m, GPT, pt, budget, device="cpu", base=none, cache=_SHARED)
+    res = optimal_plan(m, GPT, pt, budget, device="cpu", base=none, cache=_SHARED,
+                       search="blocks")
     assert res is not None and res.plan == blocks(m)[:len(res.plan)]
     k = len(res.plan)
     assert res.report.at(**pt)["train"]["peak"] <= budget
@@ -76,6 +77,26 @@ def test_optimal_plan_fits_with_fewest_blocks_real_run(frac):
     assert res.recompute_flops != 0
 
 
+def test_modules_search_mixes_blocks_and_children_real_run():
+    """``search="modules"`` (the CLI's default): at a budget where whole blocks need two of
+    three blocks, the search finds a cheaper plan that mixes a block with MLPs; it fits, its
+    recompute is below the fewest-blocks plan's, and a real run of it equals the prediction."""
+    with torch.device("meta"):
+        m = tiny()
+    pt = {"B": 4, "S": 40}
+    none = plain()
+    budget = int(none.at(**pt)["train"]["peak"] * 0.7)
+    res = optimal_plan(m, GPT, pt, budget, device="cpu", base=none)
+    by_blocks = optimal_plan(m, GPT, pt, budget, device="cpu", base=none, cache=_SHARED,
+                             search="blocks")
+    t = res.report.train
+    assert res.report.at(**pt)["train"]["peak"] <= budget
+    assert t.evaluate(res.recompute_flops, pt) == 6_062_080 < \
+        by_blocks.report.train.evaluate(by_blocks.recompute_flops, pt) == 6_881_280
+    assert res.plan == ["h.0", "h.1.mlp", "h.2.mlp"]     # README: 6.06 vs 6.88 MFLOP
+    check(res.report, lambda: apply_checkpointing(tiny(), res.plan), GPT, [pt])
+
+
 def test_plans_over_a_range_of_S():
     """Bands of S, each with its optimal plan: contiguous, more blocks as S grows, each band
     the point-wise optimum at its ends, and the last band's plan run for real at its top."""
@@ -84,18 +105,20 @@ def test_plans_over_a_range_of_S():
     none = plain()
     budget = int(none.at(B=4, S=40)["train"]["peak"] * 0.9)
     bands = plans_over_range(m, GPT, {"B": 4}, "S", 8, 64, budget, device="cpu", base=none,
-                             cache=_SHARED)
+                             cache=_SHARED, search="blocks")
     assert len(bands) >= 2 and bands[0].lo == 8
     for a, b in zip(bands, bands[1:]):
         assert b.lo == a.hi + 1 and b.blocks > a.blocks
     for b in bands:
         for s in {b.lo, b.hi}:
             opt = optimal_plan(m, GPT, {"B": 4, "S": s}, budget, device="cpu", base=none,
+                               search="blocks",
                                cache=_SHARED)
             assert len(opt.plan) == b.blocks, (b.lo, b.hi, s)
     last = bands[-1]
     if last.hi < 64:   # not even every block fits beyond the last band
         assert optimal_plan(m, GPT, {"B": 4, "S": last.hi + 1}, budget, device="cpu",
+                            search="blocks",
                             base=none, cache=_SHARED) is None
     check(last.result.report, lambda: apply_checkpointing(tiny(), last.plan), GPT,
           [{"B": 4, "S": last.hi}])
@@ -105,9 +128,10 @@ def test_cli_checkpoint_range(capsys):
     args = ["checkpoint", "tests.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",
             "targets=int64[B,S]", "--device", "cpu", "--at", "B=4", "--budget", "1MiB",
             "--range", "S=8:64"]
-    code = main(args + ["--json"])
+    code = main(args + ["--search", "blocks", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert doc["bands"] and doc["bands"][0]["from"] == 8 and doc["at"]["S"] == 64
+    assert doc["search"] == "blocks"
     assert code == (0 if doc["bands"][-1]["to"] == 64 else 1)
     main(args[:-1] + ["S=8:12"])    # the text (a range the plan-free step fits: one trace)
     assert "Optimal plan for S = 8..12" in capsys.readouterr().out
@@ -134,6 +158,7 @@ def test_cli_checkpoint_json(capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,plan", [("llama", "blocks"), ("gpt2", "selective"),
+                                        ("llama", "selective"),
                                         ("llama", "every:2")])
 def test_hf_plans_match_real_run(model, plan):
     """apply_checkpointing on Hugging Face layers (called with keyword arguments)."""
@@ -146,3 +171,24 @@ def test_hf_plans_match_real_run(model, plan):
 
     report = predict(factory, test_hf.LM, inference=False)
     check(report, factory, test_hf.LM, [{"B": 2, "S": 5}, {"B": 3, "S": 16}])
+
+
+_LLAMA: dict = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frac", [0.95, 0.85])
+def test_hf_llama_optimal_plan_real_run(frac):
+    """The optimal plan (modules search) for a Llama-style model at two budgets: it fits, and a
+    real run of the checkpointed model equals the prediction."""
+    import test_hf
+
+    pt = {"B": 4, "S": 64}
+    with torch.device("meta"):
+        m = test_hf.llama()
+    none = _LLAMA.get("none") or _LLAMA.setdefault(
+        "none", predict(test_hf.llama, test_hf.LM, inference=False))
+    budget = int(none.at(**pt)["train"]["peak"] * frac)
+    res = optimal_plan(m, test_hf.LM, pt, budget, device="cpu", base=none, cache=_LLAMA)
+    assert res is not None and res.plan and res.report.at(**pt)["train"]["peak"] <= budget
+    check(res.report, lambda: apply_checkpointing(test_hf.llama(), res.plan), test_hf.LM, [pt])

@@ -91,7 +91,8 @@ def test_optimal_plan_fits_with_fewest_blocks_real_run(frac):
     pt = {"B": 4, "H": 16}
     none = plain()
     budget = int(none.at(**pt)["train"]["peak"] * frac)
-    res = optimal_plan(m, IMG, pt, budget, device="cpu", base=none, cache=_SHARED)
+    res = optimal_plan(m, IMG, pt, budget, device="cpu", base=none, cache=_SHARED,
+                       search="blocks")
     assert res is not None and res.plan == blocks(m)[:len(res.plan)]
     k = len(res.plan)
     assert k >= 1

@@ -16,10 +16,12 @@ everything else (the results of matmuls, convolutions and other library kernels,
 graph outputs) is a buffer, allocated when its kernel runs and freed after its last use. A
 pointwise kernel writes its result over an input buffer of the same size and dtype that it reads
 for the last time (Inductor's ``inplace_buffers``), in backward including the saved activations
-AOTAutograd hands over. Not modelled: Inductor's scheduler reordering kernels for peak memory,
-its finer realization heuristics, and its layout optimization (with convolutions it converts
-weights and activations to channels-last, copies the partition does not show: the zoo CNN
-saves 23-30% more in a real run). The saved-for-backward bytes are exact for the partition
+AOTAutograd hands over. Inductor's layout optimization (with convolutions, on CPU always) is
+modelled by its memory effect: each graph input a convolution reads (the batch, the weights) is
+copied once (to channels-last) and the copy is what backward keeps (:func:`_channels_last_inputs`).
+Not modelled: Inductor's scheduler reordering kernels for peak memory, and its finer realization
+heuristics (on the zoo CNN, max-pool backward's scatter is written into its zero buffer: the
+peak is 9-10% high). The saved-for-backward bytes are exact for the partition
 chosen at the example sizes; the peak is close to, not equal to, a compiled run's
 (``benchmarks/compiled.py`` prints the gaps; ``tests/test_compiled.py`` checks them).
 
@@ -223,6 +225,8 @@ def fuse(gm: torch.fx.GraphModule, recorder, backward: bool = False) -> None:
     regions = {n.meta.get("ac_graph_id") for n in graph.nodes} - {None}
     recorder.run.checkpoint_regions = max(recorder.run.checkpoint_regions, len(regions))
     _unwrap_rng(graph)
+    if not backward:
+        _channels_last_inputs(gm)
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target in _SIZE_QUERIES:
             # A size read does not need its tensor computed: the (symbolic) size is known.
@@ -331,6 +335,34 @@ def _unwrap_rng(graph: torch.fx.Graph) -> None:
             else:
                 n.replace_all_uses_with(call)
         graph.erase_node(n)
+
+
+def _channels_last_inputs(gm: torch.fx.GraphModule) -> None:
+    """Inductor's layout optimization (``GraphLowering.decide_layout_opt``; on CPU with oneDNN
+    always on when the graph has convolutions): each graph input (the batch, a weight) that a
+    convolution reads is converted to channels-last once, a copy that every use reads, the
+    saved-for-backward one included. Other tensors only change strides (same bytes)."""
+    from torch._inductor.graph import GraphLowering
+
+    try:
+        on = GraphLowering.decide_layout_opt(gm, is_inference=False)
+    except Exception:  # noqa: BLE001 - its heuristics read metadata we may lack: no copies then
+        on = False
+    if not on:
+        return
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    convs = [n for n in graph.nodes if n.target is torch.ops.aten.convolution.default]
+    for p in dict.fromkeys(a for c in convs for a in c.args[:2]):
+        v = p.meta.get("val") if isinstance(p, torch.fx.Node) else None
+        if p is None or p.op != "placeholder" or not isinstance(v, torch.Tensor) \
+                or v.dim() != 4 or v.is_contiguous(memory_format=torch.channels_last):
+            continue
+        with graph.inserting_before(min(p.users, key=order.__getitem__)):
+            # (a copy of the same bytes; its strides stay, so the graph's views stay valid)
+            copy = graph.call_function(torch.ops.aten.clone.default, (p,))
+        copy.meta = {"val": v, "memsim_extern": True}
+        p.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
 
 
 class _WithState:
