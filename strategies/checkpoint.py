@@ -256,8 +256,9 @@ def mixed_plan(model, inputs: dict, point: dict[str, int], budget: int, *, base,
     plan with the least recompute FLOPs (torch.utils.flop_counter's formulas; ties: fewer
     modules, then lower peak) wins. Every plan it compares is traced, so the peak it reports is
     the plan's own, not an estimate; each option's recompute per block (measured on the trace
-    of that option in every block) only prunes pairs that cannot beat the best plan found. Limits: at most two options per plan, options are the block or one child
-    (not grandchildren, not two children of one block), and H goes to the leading blocks.
+    of that option in every block) only prunes pairs that cannot beat the best plan found.
+    Limits: at most two options per plan, options are the block or one child (not
+    grandchildren, not two children of one block), and H goes to the leading blocks.
     Includes the ``blocks`` search's answer (H = the block, L = nothing).
     """
     found = blocks(model)

@@ -176,6 +176,12 @@ def test_hf_plans_match_real_run(model, plan):
 _LLAMA: dict = {}
 
 
+@functools.lru_cache(maxsize=None)
+def llama_plain():
+    import test_hf
+    return predict(test_hf.llama, test_hf.LM, inference=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("frac", [0.95, 0.85])
 def test_hf_llama_optimal_plan_real_run(frac):
@@ -186,8 +192,7 @@ def test_hf_llama_optimal_plan_real_run(frac):
     pt = {"B": 4, "S": 64}
     with torch.device("meta"):
         m = test_hf.llama()
-    none = _LLAMA.get("none") or _LLAMA.setdefault(
-        "none", predict(test_hf.llama, test_hf.LM, inference=False))
+    none = llama_plain()
     budget = int(none.at(**pt)["train"]["peak"] * frac)
     res = optimal_plan(m, test_hf.LM, pt, budget, device="cpu", base=none, cache=_LLAMA)
     assert res is not None and res.plan and res.report.at(**pt)["train"]["peak"] <= budget

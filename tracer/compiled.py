@@ -118,14 +118,13 @@ def _compiled_args(context_fn, rest: tuple) -> tuple:
                                         noop_context_fn)
 
     graph_id = next(_AC_GRAPH_IDS)
-    user = context_fn
 
     def tagging():
-        if user is noop_context_fn:
+        if context_fn is noop_context_fn:
             fwd, rec = create_selective_checkpoint_contexts(
                 lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
         else:
-            fwd, rec = user()
+            fwd, rec = context_fn()
         fwd.ac_graph_id = graph_id
         return fwd, rec
 
@@ -306,22 +305,20 @@ def _unwrap_rng(graph: torch.fx.Graph) -> None:
     for n in list(graph.nodes):
         if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator):
             continue
-        if n.target is run_and_save_rng_state:
-            op, args = n.args[0], n.args[1:]
-        elif n.target is run_with_rng_state:
-            op, args = n.args[1], n.args[2:]
-        else:
+        saves = n.target is run_and_save_rng_state
+        if not saves and n.target is not run_with_rng_state:
             raise TraceError(f"compiled: the partitioned graph calls {n.target.name()}, which "
                              "memsim has no memory rule for",
                              hint="analyse the model without --compiled")
+        op, args = (n.args[0], n.args[1:]) if saves else (n.args[1], n.args[2:])
         fake = torch.fx.node.map_arg((tuple(args), dict(n.kwargs)), lambda a: a.meta["val"])
         with graph.inserting_before(n):
-            if n.target is run_and_save_rng_state:
+            if saves:
                 call = graph.call_function(op, tuple(args), dict(n.kwargs))
             else:   # the saved state is read here, and freed after
                 call = graph.call_function(_WithState(op), (n.args[0], *args), dict(n.kwargs))
             call.meta = {"val": op(*fake[0], **fake[1]), "memsim_extern": True}
-            if n.target is run_and_save_rng_state:
+            if saves:
                 size = torch.get_rng_state().numel()
                 empty = graph.call_function(
                     torch.ops.aten.empty.memory_format, ([size],),
@@ -354,9 +351,11 @@ def _channels_last_inputs(gm: torch.fx.GraphModule) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     convs = [n for n in graph.nodes if n.target is torch.ops.aten.convolution.default]
     for p in dict.fromkeys(a for c in convs for a in c.args[:2]):
-        v = p.meta.get("val") if isinstance(p, torch.fx.Node) else None
-        if p is None or p.op != "placeholder" or not isinstance(v, torch.Tensor) \
-                or v.dim() != 4 or v.is_contiguous(memory_format=torch.channels_last):
+        if not isinstance(p, torch.fx.Node) or p.op != "placeholder":
+            continue
+        v = p.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.dim() != 4 \
+                or v.is_contiguous(memory_format=torch.channels_last):
             continue
         with graph.inserting_before(min(p.users, key=order.__getitem__)):
             # (a copy of the same bytes; its strides stay, so the graph's views stay valid)
