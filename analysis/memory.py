@@ -167,6 +167,62 @@ def peak_candidates(trace: Trace, *, skip=frozenset(), until: int | None = None,
                  lows)
 
 
+@dataclass(frozen=True)
+class Added:
+    """A storage a plan-level strategy adds to a traced run (a DDP bucket, a ZeRO partition).
+
+    ``alloc`` and ``free`` are indices into the run's events: the storage is allocated just
+    before event ``alloc`` (``run.start`` or earlier: alive when the step starts) and released
+    just before event ``free`` (None: alive at the end)."""
+
+    nbytes: sympy.Expr
+    alloc: int
+    free: int | None = None
+
+
+def edited_candidates(trace: Trace, *, keep=None, frees: dict | None = None,
+                      added=(), skip=frozenset()) -> list[Candidate]:
+    """Candidate peaks of the run with its timeline edited as a modelled strategy changes it.
+
+    ``keep(storage, sign)`` says whether an event of the run stays (default: all); ``frees``
+    maps a storage id to the event index before which it is released instead; ``added`` are
+    :class:`Added` storages. Labels name the run's own events.
+    """
+    run, dev = trace.run, trace.device
+    basis = PolyBasis(list(trace.symbols.values()))
+    n = len(run.storages)
+    sizes = [basis.coeffs(charged(s, dev)) if s.device == dev and s.category not in skip
+             else None for s in run.storages]
+    sizes += [basis.coeffs(a.nbytes) for a in added]
+    before: dict[int, list] = {}
+    for sid, i in (frees or {}).items():
+        before.setdefault(i, []).append((-1, sid))
+    for k, a in enumerate(added):
+        before.setdefault(max(a.alloc, 0), []).append((1, n + k))
+        if a.free is not None:
+            before.setdefault(a.free, []).append((-1, n + k))
+    moved = set(frees or ())
+    evs, where, start = [], [], 0
+    for i in range(len(run.events) + 1):
+        if i == run.start:
+            start = len(evs) + len(before.get(i, ()))
+        for ev in sorted(before.get(i, ()), key=lambda e: e[0]):
+            evs.append(ev)
+            where.append(i)
+        if i == len(run.events):
+            break
+        e = run.events[i]
+        if (e.sign < 0 and e.sid in moved) or (keep and not keep(run.storages[e.sid], e.sign)):
+            continue
+        evs.append((e.sign, e.sid))
+        where.append(i)
+    label = _label(trace)
+    lows = {nm: r[0] for nm, r in trace.ranges.items()}
+    return prune(running_peaks(evs, sizes.__getitem__, basis, start,
+                               lambda j: label(where[j] if 0 <= j < len(where) else j)),
+                 list(trace.symbols.values()), lows)
+
+
 def step_memory(trace: Trace) -> StepMemory:
     """Compute the figures of one traced run."""
     classify(trace)

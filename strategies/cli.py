@@ -108,6 +108,8 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", choices=("optimizer", "optimizer+params"),
                    help="ZeRO-Offload to CPU memory")
     p.add_argument("--ddp", action="store_true", help="DDP buckets over --dp ranks")
+    p.add_argument("--bucket-view", action="store_true",
+                   help="DDP gradient_as_bucket_view=True (gradients are views into the buckets)")
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel ranks")
     p.add_argument("--tp-plan", metavar="PAT=STYLE,...",
                    help="tensor-parallel plan (default: the model's Hugging Face plan)")
@@ -198,7 +200,9 @@ def _strategy(args) -> dict:
         kw["zero"] = replace(kw["zero"], offload_optimizer="cpu",
                              offload_param="cpu" if "params" in args.offload else None)
     if args.ddp:
-        kw["ddp"] = DDP(dp=dp)
+        kw["ddp"] = DDP(dp=dp, gradient_as_bucket_view=args.bucket_view)
+    elif args.bucket_view:
+        raise UsageError("--bucket-view is a DDP option", hint="add --ddp --dp N")
     if args.tp:
         plan = "auto"
         if args.tp_plan:

@@ -28,7 +28,8 @@ DDP (``torch.nn.parallel.DistributedDataParallel``) allocates, at construction, 
 holding a copy of every trainable gradient (``gradient_as_bucket_view=False``, the default): one
 more gradient-sized block alive for the whole step (checked against real 2-rank gloo runs in
 ``tests/test_parallel.py``). With ``gradient_as_bucket_view=True`` the gradients are views into
-the buckets (not modelled yet: an error says so).
+the buckets: each gradient autograd produces is dropped as soon as DDP copies it in (checked
+against real gloo runs too).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import sympy
 import torch
 
 from analysis import StepMemory
-from analysis.memory import PeakPoint
+from analysis.memory import Added, PeakPoint, edited_candidates
 from analysis.peak import Candidate, as_max
 from tracer import MODEL_STATE, Category, Phase, StrategyError
 
@@ -268,23 +269,38 @@ def zero_rank(report, model: torch.nn.Module, zero: ZeRO) -> RankMemory:
 
 
 def ddp_rank(report, model: torch.nn.Module, ddp: DDP) -> RankMemory:
-    """Per-rank memory of a training step under DDP: the traced step plus its buckets."""
+    """Per-rank memory of a training step under DDP: the traced step plus its buckets.
+
+    The buckets hold one flat copy of every trainable gradient, allocated at construction. By
+    default each parameter keeps its own gradient too (autograd's, copied into the bucket and
+    back). With ``gradient_as_bucket_view`` the gradients are views into the buckets: each one
+    autograd produces lives until it is accumulated, when DDP's hook copies it into its bucket
+    view and drops it (the trace records when: :attr:`tracer.RunRecord.grad_ready`).
+    """
     step = report.train
     if step is None:
         raise StrategyError("DDP needs the training step", hint="do not pass --inference")
-    if ddp.gradient_as_bucket_view:
-        # a model of it (gradients copied into the buckets and dropped) was 17% high for an MLP
-        # and 0.4% low for a small Llama against real gloo runs: refused until understood
-        raise StrategyError("DDP gradient_as_bucket_view=True is not modelled yet",
-                            hint="the default (False) is: buckets hold a copy of each gradient")
-    buckets = step.gradients  # one flat copy of every trainable gradient
-    cands = [Candidate(sympy.expand(c.expr + buckets), c.event, c.label)
-             for c in step.candidates]
+    buckets = step.gradients
+    if not ddp.gradient_as_bucket_view:
+        cands = [Candidate(sympy.expand(c.expr + buckets), c.event, c.label)
+                 for c in step.candidates]
+        how = "hold a copy of every gradient"
+    else:
+        run = step.trace.run
+        frees: dict[int, int] = {}
+        for i, sid in run.grad_ready:
+            if sid is not None and run.storages[sid].phase is Phase.BACKWARD:
+                frees.setdefault(sid, i)
+        cands = edited_candidates(
+            step.trace, frees=frees, added=[Added(buckets, run.start)],
+            keep=lambda s, sign: s.category is not Category.GRADIENT or s.sid in frees)
+        how = ("are the gradients (gradient_as_bucket_view): each gradient autograd produces "
+               "is dropped once copied in")
     return RankMemory(peak=as_max(cands), candidates=cands, parameters=step.parameters,
                       gradients=step.gradients, optimizer_states=step.optimizer_states,
                       buffers={"ddp_buckets": buckets},
-                      notes=[f"DDP buckets ({ddp.bucket_cap_mb:g} MiB each) hold a copy of "
-                             "every gradient, allocated at construction"])
+                      notes=[f"DDP buckets ({ddp.bucket_cap_mb:g} MiB each), allocated at "
+                             f"construction, {how}"])
 
 
 @dataclass

@@ -83,17 +83,21 @@ def test_fsdp_x_tp_2d_mesh_matches_real_gloo_run():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
 @pytest.mark.parametrize("name", ["mlp", "llama"])
-def test_ddp_matches_real_gloo_run(name):
+def test_ddp_matches_real_gloo_run(name, view):
     """DDP's buckets are rebuilt in the second iteration (the measured one, after one warm-up):
-    the oracle sees them allocated; their size also comes from DDP's own logging data."""
+    the oracle sees them allocated; their size also comes from DDP's own logging data. With
+    gradient_as_bucket_view the gradients are views into them (counted at the start) and each
+    gradient autograd makes is dropped at its accumulation (MLP 2,267,464, Llama 1,859,868 B
+    against 2,783,300 and 1,923,992 with copies)."""
     from strategies import DDP
     factory, spec, inputs, pt = {
         "mlp": (O.mlp_model, MLP, functools.partial(O.mlp_inputs, batch=8), {"B": 8}),
         "llama": (O.llama_model, LM, functools.partial(O.llama_inputs, batch=2, seq=16),
                   {"B": 2, "S": 16})}[name]
-    report = _predict(factory, spec, ddp=DDP(2))
-    real = O.measure(factory, inputs, strategy=O.DDP())[0]
+    report = _predict(factory, spec, ddp=DDP(2, gradient_as_bucket_view=view))
+    real = O.measure(factory, inputs, strategy=O.DDP(gradient_as_bucket_view=view))[0]
     got = report.at(**pt)["train"]
     assert got["peak"] == real.peak - real.other
     buckets = [d for d in real.other_detail if d.startswith("ddp_buckets=")]

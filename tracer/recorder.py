@@ -230,6 +230,11 @@ class Recorder(TorchDispatchMode):
         if sid is not None:
             self.run.storages[sid].category = category
 
+    def grad_ready(self, param: torch.Tensor) -> None:
+        """Called by a post-accumulate-grad hook: ``param.grad`` is accumulated now."""
+        if self.phase is Phase.BACKWARD and param.grad is not None:
+            self.run.grad_ready.append((len(self.run.events), self.sid_of(param.grad)))
+
     def mark_saved(self, t: torch.Tensor) -> None:
         """Called by the saved-tensor pack hook: ``t`` is kept for backward by the modules open."""
         sid = self.sid_of(t)

@@ -142,3 +142,6 @@ class RunRecord:
     other_ops: dict = field(default_factory=dict)   # op name -> count, ops outside aten/prims
     specialized: list = field(default_factory=list)  # (raw symbol, value, op, module, source)
     checkpoint_regions: int = 0   # --compiled: regions torch.compile recomputes (tagged)
+    # (index into events, storage id) each time a parameter's gradient is accumulated in the
+    # measured step (its post-accumulate-grad hook, where DDP's and DeepSpeed's hooks run)
+    grad_ready: list = field(default_factory=list)

@@ -345,6 +345,8 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
                 _warm_up(recorder, opt, trainable, device, scaler)
             recorder.run.start = len(recorder.run.events)
             if train:
+                for p in trainable:
+                    stack.callback(p.register_post_accumulate_grad_hook(recorder.grad_ready).remove)
                 recorder.mark(Phase.ZERO_GRAD)
                 opt.zero_grad(set_to_none=True)
                 for _ in range(min(accumulate, 2)):
