@@ -12,16 +12,27 @@ code); plan-level ones (DeepSpeed ZeRO, DDP buckets) are modelled on top of the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 import analysis
 from tracer import StrategyError
 
 from .lora import LoRA, QLoRA, apply_lora, apply_qlora
-from .parallel import FSDP, TensorParallel, transform
+from .parallel import FSDP, TensorParallel, rank_classes, transform
 from .zero import DDP, ZeRO, ddp_rank, rank_step, zero_rank
 
-__all__ = ["analyze", "describe"]
+__all__ = ["analyze", "describe", "RankClass"]
+
+
+@dataclass
+class RankClass:
+    """Ranks whose shards have the same sizes, hence the same memory; ``report`` is traced as
+    the first of them."""
+
+    ranks: tuple[int, ...]
+    report: analysis.Report = field(repr=False)
 
 
 def describe(*, lora=None, fsdp=None, tp=None, zero=None, ddp=None, checkpoint=None) -> dict:
@@ -36,6 +47,12 @@ def describe(*, lora=None, fsdp=None, tp=None, zero=None, ddp=None, checkpoint=N
         out["checkpoint"] = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
     out["world_size"] = world_size(fsdp=fsdp, tp=tp, zero=zero, ddp=ddp)
     return out
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
 def world_size(*, fsdp=None, tp=None, zero=None, ddp=None) -> int:
@@ -75,24 +92,40 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
     plan = None
     if checkpoint:
         plan = named_plan(model, checkpoint) if isinstance(checkpoint, str) else list(checkpoint)
-    sharding = transform(fsdp, tp)
+    classes = rank_classes(model, fsdp, tp) if (fsdp or tp) else [(0,)]
 
-    def apply(m):
-        if plan:
-            apply_checkpointing(m, plan)
-        if sharding is not None:
-            sharding(m)
+    def traced(rank: int) -> analysis.Report:
+        sharding = transform(fsdp, tp, rank)
 
-    report = analysis.analyze(model, inputs, transform=apply if (plan or sharding) else None,
-                              **kw)
+        def apply(m):
+            if plan:
+                apply_checkpointing(m, plan)
+            if sharding is not None:
+                sharding(m)
+
+        return analysis.analyze(model, inputs, transform=apply if (plan or sharding) else None,
+                                **kw)
+
+    report = traced(0)
+    if len(classes) > 1:
+        report.ranks = [RankClass(classes[0], report)] + [RankClass(c, traced(c[0]))
+                                                          for c in classes[1:]]
     strategy = describe(lora=lora, fsdp=fsdp, tp=tp, zero=zero, ddp=ddp, checkpoint=checkpoint)
 
     def finish(report: analysis.Report) -> analysis.Report:
         report.strategy = dict(strategy)
-        if fsdp is not None or tp is not None:
-            report.notes.append("per-rank figures of rank 0, traced with PyTorch's own FSDP2 / "
-                                "tensor-parallel code on a fake process group; ranks are equal "
-                                "(FSDP2 pads shards to one size; uneven TP splits are refused)")
+        if (fsdp is not None or tp is not None) and len(classes) == 1:
+            report.notes.append("per-rank figures, traced with PyTorch's own FSDP2 / "
+                                "tensor-parallel code on a fake process group; every rank "
+                                "holds shards of the same sizes: ranks are equal")
+        elif fsdp is not None or tp is not None:
+            report.notes.append(
+                f"ranks differ: uneven shards put {len(classes)} groups of ranks "
+                f"({', '.join(_ranks_text(c) for c in classes)}) at different sizes; each "
+                "group is traced as its first rank, with PyTorch's own FSDP2 / tensor-parallel "
+                "code on a fake process group; the figures shown are rank 0's, which holds the "
+                "largest shard of every parameter (torch.chunk sizes); \"ranks\" lists them "
+                "all")
         if fsdp is not None and fsdp.reduce_dtype and fsdp.reduce_dtype != fsdp.param_dtype:
             report.notes.append("FSDP reduce_dtype != param_dtype: a real 2-rank gloo run held "
                                 "one more layer-sized gradient buffer at the reduce-scatter "

@@ -87,13 +87,14 @@ class TensorParallel:
 _WORLD: dict = {}
 
 
-def process_group(world: int):
-    """A fake default process group of ``world`` ranks (this process is rank 0)."""
+def process_group(world: int, rank: int = 0):
+    """A fake default process group of ``world`` ranks, this process being ``rank``."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        if _WORLD.get("size") == world and dist.get_backend() == "fake":
+        if (_WORLD.get("size"), _WORLD.get("rank")) == (world, rank) and \
+                dist.get_backend() == "fake":
             return
         if _WORLD.get("size") is None:
             raise StrategyError(
@@ -101,20 +102,47 @@ def process_group(world: int):
                 "process; memsim simulates ranks with its own fake group",
                 hint="run the analysis in a process without init_process_group")
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    _WORLD["size"] = world
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    _WORLD.update(size=world, rank=rank, meshes={})
+    _clear_sharding_caches()
 
 
-def _mesh(dp: int, tp: int):
+def _clear_sharding_caches() -> None:
+    """DTensor caches each op's sharding by a key in which device meshes of different ranks
+    compare equal, yet the cached result holds this rank's local shapes: drop it when the
+    rank changes."""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    type(prop)._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    from torch.distributed.tensor import _redistribute
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+
+
+def _mesh(dp: int, tp: int, rank: int = 0):
+    """``(dp mesh or None, tp mesh or None, root mesh)`` on the fake group at ``rank``, built
+    once per process group (outside any fake mode: a mesh holds real host integers)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
 
-    process_group(dp * tp)
-    if tp == 1:
-        return init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",)), None
-    if dp == 1:
-        return None, init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    return mesh["dp"], mesh["tp"]
+    process_group(dp * tp, rank)
+    got = _WORLD["meshes"].get((dp, tp))
+    if got is None:
+        with unset_fake_temporarily():
+            if tp == 1:
+                root = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+                got = root, None, root
+            elif dp == 1:
+                root = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+                got = None, root, root
+            else:
+                root = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+                got = root["dp"], root["tp"], root
+        _WORLD["meshes"][(dp, tp)] = got
+    return got
 
 
 # -- tensor-parallel plans ----------------------------------------------------------------------
@@ -151,6 +179,10 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
 
 
 def _check_divisible(model: torch.nn.Module, plan: dict[str, str], t: int) -> None:
+    """Heads and sharded linear dimensions must divide by ``t``. An embedding may split its
+    vocabulary unevenly (DTensor gives the last ranks fewer rows: ranks differ, and each is
+    traced); a linear layer may not: a column-wise layer's local output feeding a row-wise
+    one fails in PyTorch itself (``DTensor.from_local`` assumes even shards)."""
     mods = dict(model.named_modules())
     cfg = getattr(model, "config", None)
     for key in ("num_attention_heads", "num_key_value_heads", "n_head"):
@@ -165,43 +197,93 @@ def _check_divisible(model: torch.nn.Module, plan: dict[str, str], t: int) -> No
         if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             raise StrategyError(f"tensor-parallel plan: {name} is a {type(m).__name__}; "
                                 "colwise/rowwise shard nn.Linear and nn.Embedding only")
-        # a Linear weight is (out, in), an Embedding's (num, dim); colwise shards the outputs
-        out_dim, in_dim = (1, 0) if isinstance(m, torch.nn.Embedding) else (0, 1)
-        size = m.weight.shape[out_dim if style == "colwise" else in_dim]
+        if isinstance(m, torch.nn.Embedding):
+            continue
+        size = m.weight.shape[0 if style == "colwise" else 1]  # a Linear weight is (out, in)
         if size % t:
             raise StrategyError(f"tensor-parallel degree {t} does not divide {name}'s "
                                 f"{'output' if style == 'colwise' else 'input'} size {size}",
-                                hint="uneven shards are not modelled")
+                                hint="uneven linear shards fail in PyTorch's own TP (local "
+                                     "outputs of uneven shards); choose a divisor")
 
 
-def _styles(plan: dict[str, str]):
+def _styles(model: torch.nn.Module, plan: dict[str, str]):
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel)
 
-    kinds = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
-    return {name: kinds[style]() for name, style in plan.items()}
+    mods = dict(model.named_modules())
+    out = {}
+    for name, style in plan.items():
+        if style == "sequence":
+            out[name] = SequenceParallel()
+        elif style == "colwise":
+            out[name] = ColwiseParallel()
+        elif isinstance(mods[name], torch.nn.Embedding):
+            # vocab-parallel embedding: token ids are replicated, the table split by rows
+            out[name] = RowwiseParallel(input_layouts=Replicate())
+        else:
+            out[name] = RowwiseParallel()
+    return out
 
 
 # -- the transform ------------------------------------------------------------------------------
-def transform(fsdp: FSDP | None = None, tp: TensorParallel | None = None):
-    """The ``transform(model)`` for :func:`analysis.analyze` that applies TP then FSDP2."""
+def transform(fsdp: FSDP | None = None, tp: TensorParallel | None = None, rank: int = 0):
+    """The ``transform(model)`` for :func:`analysis.analyze` that applies TP then FSDP2, as
+    ``rank`` of the world sees it."""
     if fsdp is None and tp is None:
         return None
-    dp_mesh, tp_mesh = _mesh(fsdp.dp if fsdp else 1, tp.tp if tp else 1)
+    dp_n, tp_n = fsdp.dp if fsdp else 1, tp.tp if tp else 1
 
     def apply(model: torch.nn.Module) -> None:
         from tracer.recorder import real_meshes
 
+        dp_mesh, tp_mesh, _ = _mesh(dp_n, tp_n, rank)
         with real_meshes():
             if tp is not None and tp.tp > 1:
                 from torch.distributed.tensor.parallel import parallelize_module
                 plan = tp_plan(model, tp)
                 with _quiet():
-                    parallelize_module(model, tp_mesh, _styles(plan))
+                    parallelize_module(model, tp_mesh, _styles(model, plan))
             if fsdp is not None:
                 _shard(model, fsdp, dp_mesh)
 
     return apply
+
+
+def rank_classes(model: torch.nn.Module, fsdp: FSDP | None = None,
+                 tp: TensorParallel | None = None) -> list[tuple[int, ...]]:
+    """The ranks grouped by the local shape of every sharded parameter, lowest rank first.
+
+    The strategy is applied once to a copy of ``model`` (meta device, nothing traced); each
+    rank's local shapes come from DTensor's own chunking (``torch.chunk`` sizes: ceil(n/w) rows
+    until they run out, so later ranks may hold less, or nothing). Ranks of one class hold
+    storages of the same sizes and have the same memory; rank 0 holds the largest shard of
+    every parameter.
+    """
+    import copy
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    apply = transform(fsdp, tp)
+    if apply is None:
+        return [(0,)]
+    with torch.device("meta"):
+        m = copy.deepcopy(model).to("meta")
+    apply(m)
+    root = _mesh(fsdp.dp if fsdp else 1, tp.tp if tp else 1)[2]
+    names = root.mesh_dim_names
+    params = [p for p in m.parameters() if isinstance(p, DTensor)]
+    groups: dict[tuple, list[int]] = {}
+    for r in range(root.size()):
+        where = dict(zip(names, (root.mesh == r).nonzero()[0].tolist()))
+        sig = tuple(tuple(int(d) for d in _compute_local_shape_and_global_offset(
+            tuple(p.shape), tuple(p.device_mesh.shape),
+            [where[n] for n in p.device_mesh.mesh_dim_names], p.placements,
+            skip_offset=True)[0]) for p in params)
+        groups.setdefault(sig, []).append(r)
+    return [tuple(g) for g in groups.values()]
 
 
 def fsdp_units(model: torch.nn.Module) -> list[str]:

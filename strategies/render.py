@@ -72,25 +72,38 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None) ->
                  "precision": report.precision, "accumulate": report.accumulate,
                  "compiled": report.compiled, "symbols": list(report.symbols), "at": at or None, "fixed": dict(report.fixed),
                  "ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()}}
+    doc.update(_figures(report, point))
     if report.train is not None:
-        t = report.train
-        doc["train"] = {f: _e(t, getattr(t, f), point) for f in TRAIN_FIELDS}
         doc["train"]["regimes"] = [
-            {"formula": formula(c.expr), "where": str(c.label)} for c in t.candidates]
-    if report.inference is not None:
-        doc["inference"] = {"peak": _e(report.inference, report.inference.peak, point)}
+            {"formula": formula(c.expr), "where": str(c.label)} for c in report.train.candidates]
     step = report.train or report.inference
     doc["modules"] = [{"path": m.path, "type": m.type, "saved": _e(step, m.saved, point)}
                       for m in report.modules]
     doc["other_ops"] = dict(report.other_ops)
     if report.strategy:
         doc["strategy"] = dict(report.strategy)
-        doc["ranks"] = list(report.ranks)
+        doc["ranks"] = [_rank_json(rc, point) for rc in report.ranks]
     if report.notes:
         doc["notes"] = list(report.notes)
     if budget is not None:
         doc["budget"] = budget_json(budget)
     return doc
+
+
+def _figures(report: Report, point) -> dict:
+    out = {}
+    if report.train is not None:
+        out["train"] = {f: _e(report.train, getattr(report.train, f), point)
+                        for f in TRAIN_FIELDS}
+    if report.inference is not None:
+        out["inference"] = {"peak": _e(report.inference, report.inference.peak, point)}
+    return out
+
+
+def _rank_json(rc, point) -> dict:
+    """One entry of ``"ranks"``: a group of ranks with equal memory and their figures."""
+    report, pt = rc.report.for_point(point) if point is not None else (rc.report, None)
+    return {"ranks": list(rc.ranks), **_figures(report, pt)}
 
 
 def _at(point, *cells) -> list:
@@ -163,6 +176,18 @@ def _sweep_text(report, point, b, batch, seq) -> list[str]:
             tabulate(table, headers=[batch] + [str(s) for s in seqs])]
 
 
+def _ranks_table(report: Report, point) -> str:
+    rows, fields = [], ("peak",)
+    for rc in report.ranks:
+        r, pt = rc.report.for_point(point) if point is not None else (rc.report, None)
+        step = r.train or r.inference
+        fields = ("peak", "parameters", "gradients", "optimizer_states") if r.train else ("peak",)
+        rows.append([",".join(map(str, rc.ranks))] + [
+            human(step.evaluate(getattr(step, f), pt)) if point else short(getattr(step, f))
+            for f in fields])
+    return tabulate(rows, headers=["ranks"] + [LABELS[f] for f in fields])
+
+
 def strategy_text(st: dict) -> str:
     """One line: ``FSDP2 dp=8 (reshard after forward) x TP 2 x LoRA r=16; world size 16``."""
     parts = []
@@ -199,6 +224,8 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
     if report.strategy:
         out.append("strategy: " + strategy_text(report.strategy))
         out += [f"  note: {n}" for n in report.notes]
+        if report.ranks:
+            out += ["", "Per rank (groups of ranks with equal memory)", _ranks_table(report, point)]
     if report.fixed:
         fixed = ", ".join(f"{k}={v}" for k, v in report.fixed.items())
         out.append(f"traced on its own with {fixed} fixed (a size below the general formula's "

@@ -183,11 +183,12 @@ def mlp_inputs(batch: int = 8, width: int = 64) -> dict:
     return {"input": torch.randn(batch, width)}
 
 
-def llama_model(attn: str = "eager", layers: int = 2, use_cache: bool = False) -> nn.Module:
+def llama_model(attn: str = "eager", layers: int = 2, use_cache: bool = False,
+                vocab: int = 128) -> nn.Module:
     """Small HF Llama from config (fp32). ``use_cache=False``: no KV cache in training."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=64, use_cache=use_cache)
     cfg._attn_implementation = attn

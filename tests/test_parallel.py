@@ -104,6 +104,58 @@ def test_ddp_matches_real_gloo_run(name, view):
     assert buckets == [f"ddp_buckets={got['gradients']}"]
 
 
+def _per_rank(report, real, point):
+    """Each group of ranks in ``report.ranks`` against every real rank it stands for."""
+    for rc in report.ranks:
+        got = rc.report.at(**point)["train"]
+        for r in rc.ranks:
+            m = real[r]
+            assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"]) \
+                == (m.peak - m.other, m.parameters, m.gradients, m.optimizer_states), r
+    assert sorted(r for rc in report.ranks for r in rc.ranks) == list(range(len(real)))
+
+
+@pytest.mark.slow
+def test_uneven_fsdp_shards_per_rank_real_run():
+    """Widths 65 and 257 over 2 ranks: torch.chunk gives rank 0 one row more of each weight.
+    FSDP2 pads the parameter and gradient storages to one size, but AdamW's state follows the
+    unpadded local shard: rank 1 holds 10,368 B less (8 B x 1,296 elements), and so does its
+    peak. Each rank traced at its own rank equals its real run."""
+    factory = functools.partial(O.mlp_model, width=65, hidden=257)
+    report = _predict(factory, {"input": ("float32", ["B", 65])}, fsdp=FSDP(2))
+    assert [rc.ranks for rc in report.ranks] == [(0,), (1,)]
+    assert report.ranks[0].report is report  # the figures shown are rank 0's
+    real = O.measure(factory, functools.partial(O.mlp_inputs, batch=8, width=65),
+                     strategy=O.FSDP2())
+    _per_rank(report, real, {"B": 8})
+    assert real[0].optimizer_states - real[1].optimizer_states == 10_368
+    assert real[0].peak - real[1].peak == 10_368
+
+
+@pytest.mark.slow
+def test_vocab_parallel_embedding_per_rank_real_run():
+    """A vocabulary of 131 split over 2 ranks (66 + 65 rows, a vocab-parallel embedding) with
+    the Llama plan. DTensor scatters the table padded, so rank 1's 65 rows are a view of a
+    66-row storage (parameters equal), and the embedding's gradient is the whole table on every
+    rank; AdamW's two moments follow the local shard: rank 1 holds one row (64 x 4 B) less of
+    each, 512 B less state and a 512 B lower peak."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    factory = functools.partial(O.llama_model, vocab=131)
+    plan = {"model.embed_tokens": "rowwise",
+            **{f"model.{k}": v for k, v in factory().config.base_model_tp_plan.items()}}
+    report = _predict(factory, LM, tp=TensorParallel(2, plan=plan))
+    assert [rc.ranks for rc in report.ranks] == [(0,), (1,)]
+    real = O.measure(factory, functools.partial(O.llama_inputs, batch=2, seq=16, vocab=131),
+                     strategy=O.TP(plan={**O.LLAMA_TP_PLAN, "model.embed_tokens":
+                                         RowwiseParallel(input_layouts=Replicate())}))
+    _per_rank(report, real, {"B": 2, "S": 16})
+    assert real[0].parameters == real[1].parameters
+    assert real[0].optimizer_states - real[1].optimizer_states == 2 * 64 * 4
+    assert real[0].peak - real[1].peak == 512
+
+
 def test_fsdp_composes_with_lora_and_checkpointing():
     plain = _predict(O.llama_model, LM).at(B=2, S=16)["train"]
     both = _predict(O.llama_model, LM, fsdp=FSDP(2), lora=LoRA(r=4),
