@@ -80,20 +80,29 @@ class Report:
 
         A size below a symbol's range (``B = 1`` for a formula valid from ``B >= 2``) takes
         other paths in PyTorch (size-1 dimensions broadcast, skip copies): that case is traced
-        on its own, with the symbol fixed to its value, once, and that report answers.
+        on its own, with the symbol fixed to its value, once, and that report answers. So is a
+        point where one of the traces' conditions is false (``Eq(Mod(S, 2), 0)`` from an even
+        example size, say): the symbols of those conditions are fixed to the point's values.
         """
-        below = {}
+        if self._retrace is None:
+            return self, dict(point)
+        fix = {}
         for n, v in point.items():
             lo = self.ranges.get(n, (2, None))[0]
             if n in self.symbols and isinstance(v, int) and 0 < v < lo:
-                below[n] = v
-        if not below or self._retrace is None:
+                fix[n] = v
+        if not fix:
+            for step in (self.train, self.inference):
+                for cond in step.violated(point) if step is not None else ():
+                    fix.update({x.name: point[x.name] for x in cond.free_symbols})
+        if not fix:
             return self, dict(point)
-        key = tuple(sorted(below.items()))
+        key = tuple(sorted(fix.items()))
         if key not in self._specialized:
-            self._specialized[key] = self._retrace(below)
-        rest = {n: v for n, v in point.items() if n not in below}
-        return self._specialized[key], rest
+            sub = self._specialized[key] = self._retrace(fix)
+            sub.fixed = {**self.fixed, **fix}
+        return self._specialized[key].for_point(
+            {n: v for n, v in point.items() if n not in fix})
 
     def at(self, **point: int) -> dict:
         """Every figure evaluated at ``point`` (plain ints); see :meth:`for_point` for sizes

@@ -89,6 +89,11 @@ class StepMemory:
                           f"the model itself does not accept {n} > {hi}"))
         return {self.trace.symbols[n]: v for n, v in point.items()}
 
+    def violated(self, point: dict[str, int]) -> list:
+        """The trace's conditions (:attr:`tracer.Trace.conditions`) false at ``point``."""
+        subs = {self.trace.symbols[n]: v for n, v in point.items() if n in self.trace.symbols}
+        return [c for c in self.trace.conditions if c.xreplace(subs) is not sympy.true]
+
     def evaluate(self, expr: sympy.Expr, point: dict[str, int]) -> int:
         return int(sympy.sympify(expr).xreplace(self.check_point(point)))
 

@@ -113,7 +113,8 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel ranks")
     p.add_argument("--tp-plan", metavar="PAT=STYLE,...",
                    help="tensor-parallel plan (default: the model's Hugging Face plan)")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism (not supported yet)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (Megatron's: "
+                   "norms and the residual stream split along the sequence)")
     p.add_argument("--lora", metavar="r=16,...", help="LoRA: r, alpha, dropout, targets")
     p.add_argument("--qlora", metavar="r=16,...", help="QLoRA (NF4 base, bitsandbytes): r, "
                    "alpha, dropout, targets, compute (default bfloat16)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import re
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from tracer import StrategyError
 
 __all__ = ["FSDP", "TensorParallel", "transform", "process_group", "tp_plan", "PLAN_STYLES"]
 
-PLAN_STYLES = ("colwise", "rowwise", "sequence")
+PLAN_STYLES = ("colwise", "rowwise", "sequence")  # the plan's words; sp_plan adds two more
 
 
 @dataclass(frozen=True)
@@ -67,20 +68,21 @@ class TensorParallel:
         component, as in Hugging Face's ``base_model_tp_plan``); ``"auto"`` takes the model's
         own Hugging Face plan (Llama, Mistral, Qwen... publish one) or fails naming the model.
     sequence_parallel : bool
-        Megatron's sequence parallelism: not supported yet (an error says so).
+        Megatron's sequence parallelism (:func:`sp_plan`): outside the column-/row-wise pairs
+        (the norms, the residual stream) activations are split along the sequence.
+    sequence_dim : int
+        The sequence dimension of the activations (1: batch first, as Hugging Face; 0:
+        Megatron's sequence-first layout).
     """
 
     tp: int
     plan: str | dict = "auto"
     sequence_parallel: bool = False
+    sequence_dim: int = 1
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise StrategyError(f"TensorParallel tp={self.tp!r} must be an int >= 1")
-        if self.sequence_parallel:
-            raise StrategyError("sequence parallelism is not supported yet",
-                                hint="it needs a plan for the norms and the embedding/head "
-                                     "boundaries; analyse TensorParallel(tp) without it")
 
 
 # -- the fake process group ---------------------------------------------------------------------
@@ -175,6 +177,49 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
         for n in hit:
             out[n] = style
     _check_divisible(model, out, tp.tp)
+    return sp_plan(model, out) if tp.sequence_parallel else out
+
+
+def _is_norm(m: torch.nn.Module) -> bool:
+    return isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or (
+        type(m).__name__.endswith("Norm") and any(True for _ in m.parameters(recurse=False)))
+
+
+def sp_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """A tensor-parallel plan extended with Megatron's sequence parallelism.
+
+    The parallel regions are the parents of the row-wise linear layers (attention, MLP): their
+    input is gathered along the sequence (``"gather"``) and their row-wise exit reduce-scatters
+    back to sequence shards. Every norm outside them runs on its sequence shard
+    (``"sequence"``); the input embedding becomes vocab-parallel with a sequence-sharded output
+    and the output embedding (the LM head) gathers the sequence first (``"head"``), unless the
+    plan places them itself. The residual stream stays a DTensor of the full shape, so code that
+    reads the sequence length (position ids, masks, rotary tables) sees the whole sequence.
+    """
+    mods = dict(model.named_modules())
+    names = {id(m): n for n, m in mods.items()}
+    out = dict(plan)
+    regions = {n.rpartition(".")[0] for n, st in plan.items() if st == "rowwise"
+               and isinstance(mods[n], torch.nn.Linear)}
+    inside = lambda n: any(n.startswith(r + ".") for r in regions)  # noqa: E731
+    emb = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if emb is None or id(emb) not in names:
+        raise StrategyError(f"sequence parallelism on {type(model).__name__}: no input "
+                            "embedding found (get_input_embeddings)",
+                            hint="it starts at a vocab-parallel embedding that splits the "
+                                 "sequence; without one, analyse TensorParallel without --sp")
+    out.setdefault(names[id(emb)], "rowwise")
+    if head is not None and id(head) in names:
+        if head.weight is emb.weight:
+            raise StrategyError("sequence parallelism with tied input and output embeddings "
+                                "is not supported", hint="untie them or analyse without --sp")
+        out[names[id(head)]] = "head"
+    for r in regions:
+        out[r] = "gather"
+    for n, m in mods.items():
+        if n and _is_norm(m) and not inside(n):
+            out.setdefault(n, "sequence")
     return out
 
 
@@ -207,24 +252,60 @@ def _check_divisible(model: torch.nn.Module, plan: dict[str, str], t: int) -> No
                                      "outputs of uneven shards); choose a divisor")
 
 
-def _styles(model: torch.nn.Module, plan: dict[str, str]):
-    from torch.distributed.tensor import Replicate
+def _styles(model: torch.nn.Module, plan: dict[str, str], seq: int | None = None):
+    """Style objects for ``plan``; ``seq`` is the sequence dimension under sequence
+    parallelism (None: plain tensor parallelism)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel)
 
     mods = dict(model.named_modules())
+    sp = {} if seq is None else {"output_layouts": Shard(seq), "use_local_output": False}
     out = {}
     for name, style in plan.items():
         if style == "sequence":
-            out[name] = SequenceParallel()
+            out[name] = SequenceParallel(sequence_dim=1 if seq is None else seq)
         elif style == "colwise":
             out[name] = ColwiseParallel()
+        elif style == "head":
+            out[name] = ColwiseParallel(input_layouts=Shard(seq), output_layouts=Replicate())
+        elif style == "gather":
+            out[name] = _gather_style()()
         elif isinstance(mods[name], torch.nn.Embedding):
             # vocab-parallel embedding: token ids are replicated, the table split by rows
-            out[name] = RowwiseParallel(input_layouts=Replicate())
+            out[name] = RowwiseParallel(input_layouts=Replicate(), **sp)
         else:
-            out[name] = RowwiseParallel()
+            out[name] = RowwiseParallel(**sp)
     return out
+
+
+def _gather_sequence(x):
+    """A sequence-sharded DTensor as the whole local tensor (an all-gather); others as are."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(x, DTensor) and any(p.is_shard() for p in x.placements):
+        return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+    return x
+
+
+@functools.cache
+def _gather_style():
+    """The region-entry style class (built on first use: it needs torch.distributed)."""
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+    from torch.utils._pytree import tree_map
+
+    class GatherSequence(ParallelStyle):
+        """Entry of a parallel region under sequence parallelism: every sequence-sharded
+        DTensor argument (positional or keyword) is all-gathered into a local tensor, as
+        ``PrepareModuleInput(Shard(seq) -> Replicate, use_local_output=True)`` does."""
+
+        def _apply(self, module, device_mesh):
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs: tree_map(_gather_sequence, (args, kwargs)),
+                with_kwargs=True)
+            return module
+
+    return GatherSequence
 
 
 # -- the transform ------------------------------------------------------------------------------
@@ -244,7 +325,8 @@ def transform(fsdp: FSDP | None = None, tp: TensorParallel | None = None, rank: 
                 from torch.distributed.tensor.parallel import parallelize_module
                 plan = tp_plan(model, tp)
                 with _quiet():
-                    parallelize_module(model, tp_mesh, _styles(model, plan))
+                    parallelize_module(model, tp_mesh, _styles(
+                        model, plan, tp.sequence_dim if tp.sequence_parallel else None))
             if fsdp is not None:
                 _shard(model, fsdp, dp_mesh)
 

@@ -202,7 +202,7 @@ def strategy_text(st: dict) -> str:
     if "ddp" in st:
         parts.append(f"DDP dp={st['ddp']['dp']}")
     if "tp" in st:
-        parts.append(f"TP {st['tp']['tp']}")
+        parts.append(f"TP {st['tp']['tp']}" + (" + SP" if st["tp"]["sequence_parallel"] else ""))
     if "lora" in st:
         q = "compute_dtype" in st["lora"]
         parts.append(("QLoRA (NF4)" if q else "LoRA") + f" r={st['lora']['r']}")
@@ -229,7 +229,8 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
     if report.fixed:
         fixed = ", ".join(f"{k}={v}" for k, v in report.fixed.items())
         out.append(f"traced on its own with {fixed} fixed (a size below the general formula's "
-                   "range takes other paths in PyTorch)")
+                   "range, or one where a condition of its trace is false, takes other paths in "
+                   "PyTorch)")
     if report.train is not None:
         t = report.train
         rows = []

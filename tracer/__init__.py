@@ -64,6 +64,11 @@ class Trace:
         Range of each symbol the trace is valid for (from the run's guards and model limits).
     guards : list of str
         Other shape conditions the run assumed (in the user's symbols).
+    conditions : list of sympy relations
+        The guards that are not plain bounds (``Eq(Mod(S, 2), 0)``: DTensor shards S evenly
+        only when it divides; ``Ne(Mod(B, 2), 0)``): the run's code paths depend on them, so
+        the formulas are known to hold only where they are all true (a point where one is false
+        is traced again: :meth:`analysis.Report.for_point`).
     """
 
     run: RunRecord
@@ -73,6 +78,7 @@ class Trace:
     train: bool
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     guards: list[str] = field(default_factory=list)
+    conditions: list = field(default_factory=list)
 
     def fx_graph(self) -> torch.fx.Graph:
         from .graph import to_fx
@@ -164,7 +170,8 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
                                      transform=transform, compiled=compiled)
     user = {n: symbol(n) for n in table.raw}
     to_user = {raw: user[n] for n, raw in table.raw.items()}
-    ranges, guards = _validity(shape_env, table, to_user, limits or {}, run.specialized)
+    ranges, guards, conditions = _validity(shape_env, table, to_user, limits or {},
+                                           run.specialized)
     cache: dict = {}
 
     def to_user_expr(e: sympy.Expr) -> sympy.Expr:
@@ -177,7 +184,7 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
         s.nbytes = to_user_expr(s.nbytes)
         _check_backed(s, run)
     _map_shapes(run, to_user_expr)
-    return Trace(run, user, hint_map, device, train, ranges, guards)
+    return Trace(run, user, hint_map, device, train, ranges, guards, conditions)
 
 
 def optimizer_factory(name: str) -> OptimizerFactory:
@@ -257,13 +264,18 @@ def _validity(shape_env, table, to_user, limits, specialized=()):
         if name in limits:
             hi = limits[name] if hi is None else min(hi, limits[name])
         ranges[name] = (lo if lo is not None else 2, hi)
-    guards = []
+    conditions = []
     for g in shape_env.guards:
         e = g.expr.xreplace(to_user)
-        if e is sympy.true:
-            continue
-        syms = e.free_symbols
-        if len(syms) == 1:
+        if e is sympy.true or (len(e.free_symbols) == 1 and _is_bound(e)):
             continue  # single-symbol bounds are already in var_to_range
-        guards.append(str(e))
-    return ranges, list(dict.fromkeys(guards))
+        conditions.append(e)
+    conditions = list(dict.fromkeys(conditions))
+    return ranges, [str(c) for c in conditions], conditions
+
+
+def _is_bound(rel) -> bool:
+    """``S <= 1024``, ``2*B > 3``: an inequality between polynomials."""
+    return isinstance(rel, (sympy.LessThan, sympy.StrictLessThan, sympy.GreaterThan,
+                            sympy.StrictGreaterThan)) and all(
+        side.is_polynomial(*rel.free_symbols) for side in rel.args)

@@ -61,6 +61,19 @@ def _constant_pad(recorder, func, args, kwargs):
     return out
 
 
+@register_rule(aten.pad.default,
+               doc="F.pad reaching the recorder whole (DTensor pads uneven shards inside its "
+                   "own dispatch): constant mode as constant_pad_nd")
+def _pad(recorder, func, args, kwargs):
+    """``pad(x, pad, mode, value)``: constant mode is one ``constant_pad_nd`` allocation."""
+    mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+    if mode != "constant":
+        return func(*args, **kwargs)
+    value = args[3] if len(args) > 3 else kwargs.get("value")
+    return _constant_pad(recorder, aten.constant_pad_nd.default,
+                         (args[0], list(args[1]), 0 if value is None else value), {})
+
+
 def _expr(x):
     node = getattr(x, "node", None)
     return node.expr if node is not None else x
