@@ -127,7 +127,8 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
             train: bool = True, inference: bool = True, loss_fn=None, optimizer=None,
             hints: dict[str, int] | None = None, keep_outputs: bool = True,
             limits: dict[str, int] | None = None, precision: str | None = None,
-            accumulate: int = 1, transform=None, compiled: bool = False) -> Report:
+            accumulate: int = 1, transform=None, compiled: bool = False,
+            driver=None) -> Report:
     """Trace ``model`` and return the symbolic :class:`Report` of a step.
 
     Parameters
@@ -167,6 +168,9 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
         Predict the step under ``torch.compile(model, fullgraph=True)``: what Inductor's min-cut
         partitioner saves for backward (exact at the example sizes), and the peak with Inductor's
         kernel fusion modelled (close, not exact; see :mod:`tracer.compiled`).
+    driver : tracer.step.Driver, optional
+        Owns the training loop in place of the plain one (DeepSpeed's engine, built by
+        :mod:`strategies.zero`); the inference forward stays plain.
     """
     from tracer import hf
 
@@ -179,7 +183,7 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
     other: dict[str, int] = {}
     if train:
         t = trace(model, inputs, train=True, loss_fn=loss_fn, optimizer=optimizer,
-                  keep_outputs=keep_outputs, accumulate=accumulate, **kw)
+                  keep_outputs=keep_outputs, accumulate=accumulate, driver=driver, **kw)
         tr_step = step_memory(t)
         modules = module_savings(t, _module_types(model))
         other.update(t.run.other_ops)
@@ -198,7 +202,7 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
                       hints={k: v for k, v in (hints or {}).items() if k not in fixed} or None,
                       keep_outputs=keep_outputs, precision=precision, accumulate=accumulate,
                       limits={k: v for k, v in limits.items() if k not in fixed},
-                      transform=transform, compiled=compiled)
+                      transform=transform, compiled=compiled, driver=driver)
         sub.fixed = dict(fixed)
         return sub
 

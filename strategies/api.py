@@ -67,12 +67,52 @@ def _check(lora, fsdp, tp, zero, ddp):
                             "parallel ranks; give one", hint="FSDP2 and ZeRO-3 are the same "
                             "idea; DDP buckets do not exist under ZeRO or FSDP")
     if zero is not None and tp is not None:
-        raise StrategyError("ZeRO with tensor parallelism is not modelled",
-                            hint="use FSDP (fsdp=FSDP(dp)) with tp: both run PyTorch's code")
+        if zero.offloaded:
+            raise StrategyError("ZeRO-Offload with tensor parallelism is not modelled",
+                                hint="drop offload, or use FSDP (fsdp=FSDP(dp)) with tp")
+        if tp.plan != "auto" or tp.sequence_parallel:
+            raise StrategyError(
+                "ZeRO with tp: DeepSpeed shards the model with its own AutoTP "
+                "(tensor_parallel.autotp_size), which takes no plan= and has no sequence "
+                "parallelism", hint="drop plan= / sequence_parallel, or use FSDP with tp")
     for name, cfg, typ in (("lora", lora, LoRA), ("fsdp", fsdp, FSDP),
                            ("tp", tp, TensorParallel), ("zero", zero, ZeRO), ("ddp", ddp, DDP)):
         if cfg is not None and not isinstance(cfg, typ):
             raise StrategyError(f"{name}= takes a {typ.__name__}, got {type(cfg).__name__}")
+
+
+def _fused_adamw(params):
+    return torch.optim.AdamW(params, fused=True)
+
+
+def _zero_ranks(world: int) -> list[int]:
+    """The ranks whose ZeRO step is traced: all of them up to ``MEMSIM_ZERO_RANKS`` (8), else
+    the first two and the last two (partition boundaries differ at the ends)."""
+    import os
+    limit = int(os.environ.get("MEMSIM_ZERO_RANKS", "8"))
+    return list(range(world)) if world <= limit else sorted({0, 1, world - 2, world - 1})
+
+
+def _deepspeed_ranks(traced, world: int):
+    """``(report, classes, traced ranks)``: each traced rank's report, grouped by equal peak
+    formulas; the report shown is the rank with the largest peak at the example sizes."""
+    ranks = _zero_ranks(world)
+    reports = {r: traced(r) for r in ranks}
+    groups: dict[str, list[int]] = {}
+    for r, rep in reports.items():
+        groups.setdefault(str(rep.train.peak if rep.train is not None else r), []).append(r)
+    classes = [tuple(g) for g in groups.values()]
+
+    def at_hints(rep) -> int:
+        t = rep.train
+        return int(t.peak.xreplace({t.trace.symbols[k]: v for k, v in t.trace.hints.items()}))
+
+    best = max(ranks, key=lambda r: (at_hints(reports[r]), -r))
+    report = reports[best]
+    report.rank = best
+    if len(classes) > 1:
+        report.ranks = [RankClass(c, reports[c[0]]) for c in classes]
+    return report, classes, ranks
 
 
 def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
@@ -92,10 +132,21 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
     plan = None
     if checkpoint:
         plan = named_plan(model, checkpoint) if isinstance(checkpoint, str) else list(checkpoint)
-    classes = rank_classes(model, fsdp, tp) if (fsdp or tp) else [(0,)]
+    driver = None
+    if zero is not None and not zero.offloaded:
+        from .ds_engine import DeepSpeedDriver, deepspeed_config
+        t = tp.tp if tp is not None else 1
+        ds_config, world = deepspeed_config(zero, kw.get("precision"), t), zero.dp * t
+        driver = DeepSpeedDriver(ds_config, world)
+        fused = kw.get("optimizer") is None and kw.get("device", "cuda") == "cuda"
+        if fused:  # DeepSpeed's FusedAdam (its AdamW on a GPU) updates in place, as this does
+            kw["optimizer"] = _fused_adamw
+    # with ZeRO, DeepSpeed's AutoTP shards the model inside the engine
+    torch_tp = None if driver is not None else tp
+    classes = rank_classes(model, fsdp, torch_tp) if (fsdp or torch_tp) else [(0,)]
 
     def traced(rank: int) -> analysis.Report:
-        sharding = transform(fsdp, tp, rank)
+        sharding = transform(fsdp, torch_tp, rank)
 
         def apply(m):
             if plan:
@@ -104,21 +155,26 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
                 sharding(m)
 
         return analysis.analyze(model, inputs, transform=apply if (plan or sharding) else None,
-                                **kw)
+                                driver=driver if driver is None or rank == 0 else
+                                DeepSpeedDriver(ds_config, world, rank), **kw)
 
-    report = traced(0)
-    if len(classes) > 1:
-        report.ranks = [RankClass(classes[0], report)] + [RankClass(c, traced(c[0]))
-                                                          for c in classes[1:]]
+    if driver is None:
+        report = traced(0)
+        if len(classes) > 1:
+            report.ranks = [RankClass(classes[0], report)] + [RankClass(c, traced(c[0]))
+                                                              for c in classes[1:]]
+    else:
+        report, classes, traced_ranks = _deepspeed_ranks(traced, world)
+        shown_rank = report.rank
     strategy = describe(lora=lora, fsdp=fsdp, tp=tp, zero=zero, ddp=ddp, checkpoint=checkpoint)
 
     def finish(report: analysis.Report) -> analysis.Report:
         report.strategy = dict(strategy)
-        if (fsdp is not None or tp is not None) and len(classes) == 1:
+        if (fsdp is not None or torch_tp is not None) and len(classes) == 1:
             report.notes.append("per-rank figures, traced with PyTorch's own FSDP2 / "
                                 "tensor-parallel code on a fake process group; every rank "
                                 "holds shards of the same sizes: ranks are equal")
-        elif fsdp is not None or tp is not None:
+        elif fsdp is not None or torch_tp is not None:
             report.notes.append(
                 f"ranks differ: uneven shards put {len(classes)} groups of ranks "
                 f"({', '.join(_ranks_text(c) for c in classes)}) at different sizes; each "
@@ -132,7 +188,28 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
                                 "than predicted (6.5% more at the one point checked); PyTorch's "
                                 "own fake-process-group simulation gives memsim's figure; NCCL "
                                 "on a GPU not measured")
-        for cfg, fn in ((zero, zero_rank), (ddp, ddp_rank)):
+        if driver is not None:
+            autotp = (f" with its AutoTP over {tp.tp} tensor-parallel ranks"
+                      if tp is not None else "")
+            shown = f"rank {shown_rank}"
+            untraced = ("" if len(traced_ranks) == world else
+                        f"; only ranks {', '.join(map(str, traced_ranks))} of {world} are traced "
+                        f"(set MEMSIM_ZERO_RANKS={world} to trace all): the others' peaks "
+                        "are not known")
+            report.notes.append(
+                f"per-rank figures, traced with DeepSpeed's own ZeRO-{zero.stage} engine"
+                f"{autotp} (deepspeed.initialize on a fake process group of {world}), each "
+                f"rank traced{untraced}; "
+                + (f"ranks differ (where ZeRO's partition boundaries fall): the figures shown "
+                   f"are {shown}'s, the largest peak at the example sizes; \"ranks\" lists "
+                   "them all" if len(classes) > 1 else "ranks are equal") + "; the "
+                + ("optimizer is DeepSpeed's FusedAdam, traced as torch's fused AdamW (both "
+                   "update in place, no step temporaries; not measured on a GPU)" if fused else
+                   "client optimizer is the one given (torch's AdamW by default)")
+                + "; the inference figures are the plain forward"
+                + ("; fp16 is traced but not checked against a real run (DeepSpeed's CPU "
+                   "accelerator refuses fp16)" if "fp16" in ds_config else ""))
+        for cfg, fn in ((None if driver else zero, zero_rank), (ddp, ddp_rank)):
             if cfg is not None and report.train is not None:
                 rank = fn(report, model, cfg)
                 report.train = rank_step(report.train, rank)

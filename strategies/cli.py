@@ -102,7 +102,8 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard over --dp ranks")
     p.add_argument("--no-reshard", action="store_true",
                    help="FSDP2 reshard_after_forward=False (ZeRO-2-like)")
-    p.add_argument("--zero", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage (modelled)")
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage (DeepSpeed's engine traced; "
+                   "needs the deepspeed package)")
     p.add_argument("--deepspeed", metavar="FILE", help="a DeepSpeed ds_config.json (stage, "
                    "buckets, precision, offload)")
     p.add_argument("--offload", choices=("optimizer", "optimizer+params"),
@@ -303,8 +304,9 @@ def run(argv: list[str] | None = None) -> int:
         device, cap, overheads = setup
         budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
-        if "zero" in report.strategy:
-            budget.basis = "modelled: DeepSpeed ZeRO"
+        z = report.strategy.get("zero") or {}
+        if "cpu" in (z.get("offload_optimizer"), z.get("offload_param")):
+            budget.basis = "modelled: DeepSpeed ZeRO-Offload"
         elif "ddp" in report.strategy:
             budget.basis = "traced; DDP buckets modelled"
     if point is not None:

@@ -197,8 +197,9 @@ def strategy_text(st: dict) -> str:
                      f["reshard_after_forward"] else "no reshard after forward") + ")")
     if "zero" in st:
         z = st["zero"]
-        off = " + CPU offload" if z.get("offload_optimizer") == "cpu" else ""
-        parts.append(f"DeepSpeed ZeRO-{z['stage']} dp={z['dp']}{off} (modelled)")
+        off = "cpu" in (z.get("offload_optimizer"), z.get("offload_param"))
+        parts.append(f"DeepSpeed ZeRO-{z['stage']} dp={z['dp']}"
+                     + (" + CPU offload (modelled)" if off else " (DeepSpeed's engine, traced)"))
     if "ddp" in st:
         parts.append(f"DDP dp={st['ddp']['dp']}")
     if "tp" in st:

@@ -1,12 +1,13 @@
 """DeepSpeed ZeRO stages 1, 2 and 3 and DDP gradient buckets, per rank.
 
-FSDP2 and tensor parallelism run PyTorch's own code in the trace (:mod:`strategies.parallel`).
-DeepSpeed needs CUDA to run, so ZeRO is *modelled*: the activations and temporaries of forward
-and backward come from the trace (they do not change with data parallelism: each rank runs the
-same micro-batch), and the model states and ZeRO's buffers are DeepSpeed's allocations, as read
-in DeepSpeed 0.19.6's ``stage_1_and_2.py`` and ``stage3.py`` (Ψ trainable parameters, N ranks,
-b bytes per 16-bit element, B = ``reduce_bucket_size`` elements, K optimizer bytes per
-parameter, 12 for Adam with fp32 master weights):
+ZeRO is **traced**: :mod:`strategies.ds_engine` runs DeepSpeed's own engine
+(``deepspeed.initialize`` and its ``backward``/``step``) inside the symbolic step, on a fake
+process group, once per rank; every rank's peak equals a real DeepSpeed step on CPU
+(``tests/test_zero.py``). ZeRO-Offload (``offload_optimizer`` / ``offload_param`` ``"cpu"``)
+is still **modelled** (:func:`zero_rank`), from DeepSpeed 0.19.6's ``stage_1_and_2.py`` and
+``stage3.py`` (Ψ trainable parameters, N ranks, b bytes per 16-bit element, B =
+``reduce_bucket_size`` elements, K optimizer bytes per parameter, 12 for Adam with fp32
+master weights):
 
 ========  ==================================  =======================================  ========================
 stage     persistent                          backward extra                           step extra
@@ -19,8 +20,10 @@ stage     persistent                          backward extra                    
 Frozen parameters cost their own bytes, whole (stages 1, 2) or partitioned (stage 3); stage 3
 keeps parameters under ``param_persistence_threshold`` elements whole. With
 ``offload_optimizer="cpu"`` the KΨ/N states, the fp32 gradients and the step move to the host.
-These figures are a model of DeepSpeed's code and are **not checked against a DeepSpeed run**
-(none can run here); the output says so. The ZeRO paper's model-state figures
+This model is **not checked against a DeepSpeed run** (DeepSpeed's CPU optimizer needs its
+compiled op); the output says so. The traced engine shows what it leaves out: DeepSpeed clones
+an fp32 master even for fp32 weights (K = 12), and stage 3 keeps every parameter it gathered
+under the default ``stage3_max_reuse_distance``. The ZeRO paper's model-state figures
 (:func:`paper_model_states`) and DeepSpeed's own estimators (:func:`deepspeed_estimate`) are
 reproduced for comparison.
 
@@ -51,15 +54,20 @@ __all__ = ["ZeRO", "DDP", "paper_model_states", "deepspeed_estimate", "load_deep
 
 @dataclass(frozen=True)
 class ZeRO:
-    """DeepSpeed ZeRO settings (the names of ``zero_optimization`` in ``ds_config.json``)."""
+    """DeepSpeed ZeRO settings (the names of ``zero_optimization`` in ``ds_config.json``, with
+    DeepSpeed's defaults). ``optimizer_bytes`` and ``low_bytes`` apply to the modelled
+    ZeRO-Offload only."""
 
     stage: int
     dp: int
     reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
     overlap_comm: bool | None = None          # None: True for stage 3, else False (DeepSpeed)
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000
     offload_optimizer: str | None = None      # "cpu"
     offload_param: str | None = None          # "cpu" (stage 3)
@@ -80,6 +88,10 @@ class ZeRO:
             if v not in (None, "none", "cpu"):
                 raise StrategyError(f"ZeRO {k}={v!r}: only 'cpu' is modelled",
                                     hint="NVMe offload (ZeRO-Infinity) is not modelled")
+
+    @property
+    def offloaded(self) -> bool:
+        return "cpu" in (self.offload_optimizer, self.offload_param)
 
     @property
     def overlap(self) -> bool:
@@ -164,7 +176,8 @@ def load_deepspeed_config(path: str, dp: int) -> tuple[ZeRO | None, str | None]:
     kw = {}
     names = {"reduce_bucket_size": int, "overlap_comm": bool, "contiguous_gradients": bool,
              "stage3_prefetch_bucket_size": int, "stage3_param_persistence_threshold": int,
-             "sub_group_size": int}
+             "sub_group_size": int, "allgather_bucket_size": int,
+             "stage3_max_live_parameters": int, "stage3_max_reuse_distance": int}
     for key, typ in names.items():
         if key in z:
             if z[key] == "auto":

@@ -19,7 +19,15 @@ Strategies (``strategy=`` of :func:`measure`):
 
 * :class:`Plain` -- one process, no process group (the baseline);
 * :class:`FSDP2` -- ``fully_shard`` on each block, then on the root;
-* :class:`TP` -- ``parallelize_module`` with a plan ``{module-path pattern: style}``.
+* :class:`TP` -- ``parallelize_module`` with a plan ``{module-path pattern: style}``;
+* :class:`DeepSpeed` -- ``deepspeed.initialize`` with a config dict (ZeRO 0-3, fp32/bf16) on
+  DeepSpeed's CPU accelerator, over the same gloo group. Its step is DeepSpeed's own::
+
+      out = engine(**inputs); loss = loss_fn(out); engine.backward(loss); engine.step()
+
+  (``engine.step`` zeroes the gradients; 2 warm-up steps by default). Everything DeepSpeed
+  keeps between steps (flat bit16 groups, fp32 master partitions, optimizer state, ZeRO-3's
+  gradient partition buffer and reduce buckets) is a gc-visible tensor, registered at start.
 
 Details that make the numbers exact and repeatable:
 
@@ -66,7 +74,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
-    "Plain", "FSDP2", "TP", "RankMemory", "measure", "measure_step",
+    "Plain", "FSDP2", "TP", "DeepSpeed", "RankMemory", "measure", "measure_step",
+    "measure_deepspeed_step",
     "mlp_model", "mlp_inputs", "llama_model", "llama_inputs", "LLAMA_TP_PLAN", "default_loss",
 ]
 
@@ -153,6 +162,34 @@ class FSDP2TP:
     tp: int = 2
     plan: dict = field(default_factory=lambda: dict(LLAMA_TP_PLAN))
     fsdp: "FSDP2" = None
+
+
+@dataclass
+class DeepSpeed:
+    """``deepspeed.initialize(model=, model_parameters=, optimizer=optimizer_fn(params),
+    config=config)`` on the CPU accelerator over the ranks' gloo group; the step is
+    ``out = engine(**inputs); loss = loss_fn(out); engine.backward(loss); engine.step()``
+    (DeepSpeed zeroes the gradients in ``step``: the ``zero_grad`` phase is empty).
+
+    ``config`` is DeepSpeed's config dict; missing keys get: ``train_micro_batch_size_per_gpu``
+    and ``gradient_accumulation_steps`` 1 (unless ``train_batch_size`` is given),
+    ``zero_allow_untested_optimizer`` True, ``steps_per_print`` 10**9,
+    ``wall_clock_breakdown`` False. :func:`measure` runs 2 warm-up steps by default for this
+    strategy. With ``bf16`` enabled the engine casts the model to bf16 but not the inputs: give
+    an ``inputs_fn`` that returns bf16 float inputs."""
+
+    config: dict = field(default_factory=dict)
+
+    def full_config(self) -> dict:
+        import copy
+        cfg = copy.deepcopy(self.config)
+        if "train_batch_size" not in cfg:
+            cfg.setdefault("train_micro_batch_size_per_gpu", 1)
+            cfg.setdefault("gradient_accumulation_steps", 1)
+        cfg.setdefault("zero_allow_untested_optimizer", True)
+        cfg.setdefault("steps_per_print", 10**9)
+        cfg.setdefault("wall_clock_breakdown", False)
+        return cfg
 
 
 # q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms and LM head stay replicated.
@@ -399,7 +436,9 @@ def _live_tensors() -> list:
         return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
 
 
-def _resolved_optimizer(opt) -> str:
+def _resolved_optimizer(opt, params=None) -> str:
+    """``params``: the tensors the step updates, if not ``opt.param_groups``' (ZeRO-3 empties
+    those between steps)."""
     name = type(opt).__name__
     d = opt.defaults
     if d.get("fused"):
@@ -407,7 +446,7 @@ def _resolved_optimizer(opt) -> str:
     foreach = d.get("foreach")
     if foreach is None:
         from torch.optim.optimizer import _default_to_fused_or_foreach
-        ps = [p for g in opt.param_groups for p in g["params"]]
+        ps = params if params is not None else [p for g in opt.param_groups for p in g["params"]]
         _, foreach = _default_to_fused_or_foreach(ps, differentiable=False, use_fused=False)
         return f"{name}(foreach=None -> {'foreach' if foreach else 'for-loop'})"
     return f"{name}(foreach={foreach})"
@@ -493,6 +532,152 @@ def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=N
     if crosscheck:
         result.crosscheck = _fsdp_mem_tracker_step(model, inputs, opt, loss_fn, keep_outputs)
     return result
+
+
+def _ds_step(engine, inputs, loss_fn, keep_outputs=True, counter=None):
+    """The DeepSpeed training step; DeepSpeed zeroes gradients inside ``engine.step()``, so the
+    ``zero_grad`` phase is empty."""
+    ph = counter.set_phase if counter is not None else (lambda _: None)
+    ph("zero_grad")
+    ph("forward")
+    out = engine(**inputs)
+    ph("loss")
+    loss = loss_fn(out)
+    if not keep_outputs:
+        del out
+        out = None
+    ph("backward")
+    engine.backward(loss)
+    ph("step")
+    engine.step()
+    ph("end")
+    return out, loss
+
+
+def _ds_fp32_partitions(zopt) -> list:
+    """ZeRO's fp32 master partitions: stage 1/2 ``single_partition_of_fp32_groups``, stage 3
+    ``fp32_partitioned_groups_flat``."""
+    out = []
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        out += [t for t in getattr(zopt, name, None) or [] if isinstance(t, torch.Tensor)]
+    return out
+
+
+def measure_deepspeed_step(model: nn.Module, inputs: dict, config: dict, *, loss_fn=None,
+                           optimizer_fn=None, keep_outputs: bool = True, warmup: int = 2,
+                           settle_s: float = 1e-3, rank: int = 0,
+                           world_size: int = 1) -> RankMemory:
+    """``deepspeed.initialize`` the model in this process (deepspeed.comm must be initialized,
+    see :func:`_init_deepspeed`), run ``warmup`` steps, then measure one DeepSpeed step.
+
+    Categories at start: ``parameters`` the module's parameter storages (ZeRO-1/2: the flat
+    bit16 groups they view; ZeRO-3: the ``ds_tensor`` partitions plus the full data of the
+    persistent parameters), ``gradients`` any ``.grad`` of those and of the fp32 partitions,
+    plus ZeRO-3's persistent ``grad_partitions_flat_buffer``,
+    ``optimizer_states`` the inner optimizer's state plus the fp32 master partitions,
+    ``other`` the rest (ZeRO's bucket / reduction buffers...)."""
+    deepspeed = _import_deepspeed()
+    loss_fn = loss_fn or default_loss
+    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    optimizer = (optimizer_fn or adamw)(params)
+    engine, zopt, _, _ = deepspeed.initialize(model=model, model_parameters=params,
+                                              optimizer=optimizer, config=config)
+    engine.train()
+    inner = getattr(zopt, "optimizer", zopt)
+    for _ in range(warmup):
+        out, loss = _ds_step(engine, inputs, loss_fn)
+        del out, loss
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()
+    c = _StorageCounter(settle_s=settle_s)
+    cats: dict[str, int] = {}
+    try:
+        with c:
+            mparams = list(engine.module.parameters())
+            fp32 = _ds_fp32_partitions(zopt)
+            groups = [
+                ("parameters", mparams + [p.ds_tensor for p in mparams
+                                          if isinstance(getattr(p, "ds_tensor", None),
+                                                        torch.Tensor)]),
+                ("gradients", [p.grad for p in mparams + fp32 if p.grad is not None]
+                 + [t for t in [getattr(zopt, "grad_partitions_flat_buffer", None)]
+                    if isinstance(t, torch.Tensor)]),
+                ("optimizer_states", _optimizer_tensors(inner) + fp32),
+                ("buffers", list(engine.module.buffers())),
+                ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
+                ("fsdp_internal", []),
+                ("other", _live_tensors()),
+            ]
+            del mparams, fp32
+            other_detail = []
+            for name, ts in groups:
+                cats[name] = 0
+                for t in ts:
+                    n = c.track(t)
+                    cats[name] += n
+                    if n and name == "other" and len(other_detail) < 10:
+                        other_detail.append(f"{type(t).__name__}{tuple(t.shape)} {t.dtype} {n} B")
+            del groups, ts, t
+            start = c.cur
+            c.peak, c.peak_phase, c.phase_peaks = start, "start", {"start": start}
+            t0 = time.perf_counter()
+            out, loss = _ds_step(engine, inputs, loss_fn, keep_outputs, counter=c)
+            step_s = time.perf_counter() - t0
+            end = c.cur
+        del out, loss
+    finally:
+        c.close()
+        if gc_was:
+            gc.enable()
+    if getattr(zopt, "overflow", False):  # inf/NaN gradients: DeepSpeed skipped the update
+        other_detail.append("deepspeed overflow: optimizer step skipped")
+    # the tensors the inner optimizer steps (ZeRO-3 empties its param_groups between steps)
+    label = _resolved_optimizer(inner, _ds_fp32_partitions(zopt) or None)
+    return RankMemory(
+        rank=rank, world_size=world_size, peak=c.peak, start=start, end=end,
+        parameters=cats["parameters"], gradients=cats["gradients"],
+        optimizer_states=cats["optimizer_states"], buffers=cats["buffers"],
+        inputs=cats["inputs"], fsdp_internal=0, other=cats["other"],
+        other_detail=other_detail,
+        peak_phase=c.peak_phase, phase_peaks=dict(c.phase_peaks),
+        foreign_frees=c.foreign_frees, resizes=c.resizes, untracked_resizes=c.untracked_resizes,
+        optimizer=f"{type(zopt).__name__}[{label}]",
+        step_s=round(step_s, 4), log=c.log or [])
+
+
+def _import_deepspeed():
+    """Import DeepSpeed on its CPU accelerator, without the shm comm op (which it would
+    JIT-compile, ~170 s, when it creates its torch backend)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"  # read when the accelerator is first resolved
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+    from deepspeed.accelerator import get_accelerator
+
+    # not ``import deepspeed.comm.torch as dct``: deepspeed.comm has an attribute ``torch`` (the
+    # torch package), which that statement binds instead of the submodule
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    if get_accelerator().device_name() != "cpu":
+        raise RuntimeError(f"DeepSpeed resolved the accelerator {get_accelerator().device_name()!r}"
+                           " before DS_ACCELERATOR=cpu was set (was it imported earlier?)")
+    return deepspeed
+
+
+def _init_deepspeed(rank: int, world_size: int, port: int):
+    """deepspeed.comm on top of the torch.distributed gloo group this rank already joined."""
+    import logging
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    deepspeed = _import_deepspeed()
+    from deepspeed.utils import logger
+    logger.setLevel(logging.ERROR)
+    # DeepSpeed calls all_gather_into_tensor / reduce_scatter_tensor: FutureWarning per call
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                            category=FutureWarning)
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,
+                                    verbose=False, rank=rank, world_size=world_size)
 
 
 def _fsdp_mem_tracker_step(model, inputs, opt, loss_fn, keep_outputs) -> dict:
@@ -606,7 +791,9 @@ def _rank_main(rank: int, job: _Job):
                                     rank=rank,
                                     world_size=job.world_size, timeout=_timedelta(120))
             from torch.distributed.device_mesh import init_device_mesh
-            if isinstance(job.strategy, FSDP2TP):
+            if isinstance(job.strategy, DeepSpeed):
+                _init_deepspeed(rank, job.world_size, job.port)
+            elif isinstance(job.strategy, FSDP2TP):
                 mesh = init_device_mesh("cpu", (job.strategy.dp, job.strategy.tp),
                                         mesh_dim_names=("dp", "tp"))
             else:
@@ -627,10 +814,16 @@ def _rank_main(rank: int, job: _Job):
             st = job.strategy
             model = _apply_tp(model, mesh["tp"], TP(plan=st.plan))
             model = _apply_fsdp2(model, mesh["dp"], st.fsdp or FSDP2())
-        r = measure_step(model, inputs, loss_fn=job.loss_fn, optimizer_fn=job.optimizer_fn,
-                         keep_outputs=job.keep_outputs, warmup=job.warmup,
-                         settle_s=job.settle_s, rank=rank, world_size=job.world_size,
-                         crosscheck=job.crosscheck)
+        if isinstance(job.strategy, DeepSpeed):
+            r = measure_deepspeed_step(
+                model, inputs, job.strategy.full_config(), loss_fn=job.loss_fn,
+                optimizer_fn=job.optimizer_fn, keep_outputs=job.keep_outputs, warmup=job.warmup,
+                settle_s=job.settle_s, rank=rank, world_size=job.world_size)
+        else:
+            r = measure_step(model, inputs, loss_fn=job.loss_fn, optimizer_fn=job.optimizer_fn,
+                             keep_outputs=job.keep_outputs, warmup=job.warmup,
+                             settle_s=job.settle_s, rank=rank, world_size=job.world_size,
+                             crosscheck=job.crosscheck)
         if isinstance(job.strategy, DDP):
             sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
             r.other_detail = list(r.other_detail) + [
@@ -665,16 +858,18 @@ def _configure_forkserver():
     import multiprocessing
 
     me = "__main__" if __name__ == "__main__" else __name__
+    # deepspeed: measure() sets DS_ACCELERATOR=cpu in the environment the server starts with
     multiprocessing.set_forkserver_preload([
         "torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
-        "transformers.models.llama.modeling_llama", me])  # ImportErrors are ignored there
+        "transformers.models.llama.modeling_llama", "deepspeed", me])  # ImportErrors ignored
     _FORKSERVER_READY = True
 
 
 def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
             strategy=None, world_size: int | None = None, loss_fn=None, optimizer_fn=None,
-            keep_outputs: bool = True, warmup: int = 1, settle_s: float = 1e-3, seed: int = 0,
-            crosscheck: bool = False, start_method: str = "forkserver", retries: int = 2,
+            keep_outputs: bool = True, warmup: int | None = None, settle_s: float = 1e-3,
+            seed: int = 0, crosscheck: bool = False, start_method: str = "forkserver",
+            retries: int = 2,
             timeout_s: float = 600) -> list[RankMemory]:
     """Run the step in ``world_size`` fresh processes (1 for :class:`Plain`) and return one
     :class:`RankMemory` per rank.
@@ -684,8 +879,10 @@ def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
     ``loss_fn``/``optimizer_fn(params)`` must be picklable (module-level functions or
     ``functools.partial``). ``crosscheck=True`` runs one more identical step under
     ``FSDPMemTracker`` (``MemTracker`` when not FSDP2) and stores its figures in
-    ``RankMemory.crosscheck``. A run in which some free arrived on a gloo thread (so not in
-    program order, see ``foreign_frees``) is repeated up to ``retries`` times.
+    ``RankMemory.crosscheck`` (not for :class:`DeepSpeed`). A run in which some free arrived on
+    a gloo thread (so not in program order, see ``foreign_frees``) is repeated up to
+    ``retries`` times. ``warmup``: steps before the measured one; ``None``: 2 for
+    :class:`DeepSpeed`, else 1.
     """
     import json
 
@@ -698,12 +895,18 @@ def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
                       strategy.dp * strategy.tp if isinstance(strategy, FSDP2TP) else 2)
     if isinstance(strategy, Plain) and world_size != 1:
         raise ValueError("Plain runs on one rank")
+    if warmup is None:  # DeepSpeed creates some buffers lazily in its first steps
+        warmup = 2 if isinstance(strategy, DeepSpeed) else 1
+    if crosscheck and isinstance(strategy, DeepSpeed):
+        raise ValueError("crosscheck is not available for DeepSpeed")
     # the parent hosts the store on a free port picked by the OS: no port race
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=_timedelta(timeout_s))
     job = _Job(model_fn, inputs_fn, strategy, world_size, store.port, loss_fn, optimizer_fn,
                keep_outputs, warmup, settle_s, seed, crosscheck)
-    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # DS_ACCELERATOR: the forkserver preloads deepspeed, which must resolve the CPU accelerator
+    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "DS_ACCELERATOR": "cpu"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     if start_method == "forkserver":

@@ -251,10 +251,11 @@ def test_cli_strategy_json_and_usage_errors(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["strategy"]["fsdp"]["dp"] == 2 and doc["strategy"]["lora"]["r"] == 4
     assert doc["strategy"]["world_size"] == 2 and doc["notes"]
-    assert main(args + ["--zero", "2", "--dp", "4", "--precision", "bf16-master",
-                        "--json"]) == 0
+    assert main(args + ["--zero", "2", "--dp", "2", "--offload", "optimizer", "--precision",
+                        "bf16-master", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["strategy"]["zero"]["stage"] == 2 and "reduce_bucket" in doc["strategy"]["buffers"]
+    assert any("not checked" in n for n in doc["notes"])
     for bad, msg in ((["--dp", "2"], "--dp given without"), (["--fsdp"], "--fsdp needs --dp"),
                      (["--sp"], "--sp and --tp-plan need --tp"),
                      (["--offload", "optimizer"], "--offload is a ZeRO option"),

@@ -123,7 +123,7 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
           loss_fn: LossFn | None = None, optimizer: OptimizerFactory | None = None,
           hints: dict[str, int] | None = None, keep_outputs: bool = True,
           limits: dict[str, int] | None = None, patches=None, precision=None,
-          accumulate: int = 1, transform=None, compiled: bool = False) -> Trace:
+          accumulate: int = 1, transform=None, compiled: bool = False, driver=None) -> Trace:
     """Run ``model`` symbolically and return its :class:`Trace`.
 
     Parameters
@@ -149,6 +149,8 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
     compiled : bool
         Run the forward as ``torch.compile(model, fullgraph=True)`` partitions it: AOTAutograd
         with Inductor's decompositions and min-cut partitioner (see :mod:`tracer.compiled`).
+    driver : tracer.step.Driver, optional
+        Owns the training loop (e.g. DeepSpeed's engine) in place of the plain one.
     """
     if device not in DEVICES:
         raise InputError(f"unknown device {device!r}", hint=f"use one of {', '.join(DEVICES)}")
@@ -167,7 +169,8 @@ def trace(model: torch.nn.Module, inputs: dict, *, train: bool = True, device: s
                                      loss_fn=loss_fn, optimizer=optimizer, constants=constants,
                                      keep_outputs=keep_outputs, patches=patches,
                                      precision=precision, accumulate=accumulate,
-                                     transform=transform, compiled=compiled)
+                                     transform=transform, compiled=compiled,
+                                     driver=driver)
     user = {n: symbol(n) for n in table.raw}
     to_user = {raw: user[n] for n, raw in table.raw.items()}
     ranges, guards, conditions = _validity(shape_env, table, to_user, limits or {},

@@ -28,7 +28,13 @@ def _from_grad_scaler() -> bool:
                    "0 (no overflow, the step runs); memory never depends on them")
 def _local_scalar(recorder, func, args, kwargs):
     """``.item()``: allowed only in the optimizer, where it reads the step count (or the
-    GradScaler's overflow flag: the steady-state step has none)."""
+    GradScaler's overflow flag: the steady-state step has none). A :class:`tracer.step.Driver`
+    may answer first (DeepSpeed's overflow checks read 0)."""
+    hook = getattr(recorder, "scalar_hook", None)
+    if hook is not None:
+        value = hook(args[0])
+        if value is not None:
+            return value
     if recorder.phase is Phase.OPTIMIZER or recorder.phase is Phase.SETUP:
         t = args[0]
         if _from_grad_scaler():

@@ -101,6 +101,7 @@ class Recorder(TorchDispatchMode):
         self.specialized: list[tuple] = []  # (raw symbol, value, op, module, source)
         self._n_repl = 0
         self._paused = False  # inside DTensor's sharding propagation: ops are not the run's
+        self.scalar_hook = None  # a Driver's answer to .item() (tracer.kernels)
 
     # -- storages -------------------------------------------------------------------------------
     @property
@@ -120,8 +121,10 @@ class Recorder(TorchDispatchMode):
             self._check_resize(st, sid)
             return sid, False
         sid = len(self.run.storages)
+        # a tensor on the meta device (a library's shape-only bookkeeping) holds no memory
+        nbytes = 0 if t.device.type == "meta" else st.nbytes()
         self.run.storages.append(Storage(
-            sid=sid, nbytes=as_expr(st.nbytes()), device=self.device, alloc=self.time,
+            sid=sid, nbytes=as_expr(nbytes), device=self.device, alloc=self.time,
             phase=self.phase, module=self.module, op=op, category=category))
         self._live[key] = sid
         self.run.events.append(Event(+1, sid, self.time))

@@ -18,9 +18,9 @@ run and restored afterwards.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import os
-import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -185,6 +185,7 @@ def fake_module(model: torch.nn.Module, device: str, dtype: torch.dtype | None =
                             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
                         memo[id(t)] = new
                     table[name] = memo[id(t)]
+        memo.clear()  # the module holds its fake tensors; nothing else may keep them alive
         yield
     finally:
         for table, name, t in reversed(saved):
@@ -282,14 +283,16 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
              optimizer: OptimizerFactory | None = None, constants: dict | None = None,
              keep_outputs: bool = True, patches: Callable | None = None,
              precision=None, accumulate: int = 1, transform: Callable | None = None,
-             compiled: bool = False) -> tuple[RunRecord, ShapeEnv, SymbolTable]:
+             compiled: bool = False, driver: "Driver | None" = None
+             ) -> tuple[RunRecord, ShapeEnv, SymbolTable]:
     """Run one training step (``train=True``) or one inference forward symbolically.
 
     ``precision``: a :mod:`tracer.precision` mode. ``accumulate``: micro-batches per optimizer
     step (gradient accumulation); micro-steps after the second repeat the second exactly (the
     gradients exist, the previous output is released when the next forward returns), so two are
     run for any ``accumulate >= 2``. ``compiled``: the forward runs as ``torch.compile`` would
-    partition it (:mod:`tracer.compiled`).
+    partition it (:mod:`tracer.compiled`). ``driver``: a :class:`Driver` that owns the training
+    loop (DeepSpeed's engine) in place of the plain one.
     """
     from .precision import forward_context, precision as _precision, step_context, wrap_optimizer
 
@@ -298,9 +301,17 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
         raise InputError(f"accumulate={accumulate!r} must be an int >= 1",
                          hint="micro-batches per optimizer step")
     low = prec.param_dtype if prec.param_dtype != torch.float32 else None
+    if driver is not None and train:
+        if prec.autocast is not None or accumulate != 1 or compiled:
+            what = ("precision " + repr(prec.name) if prec.autocast is not None else
+                    "accumulate" if accumulate != 1 else "compiled")
+            raise InputError(f"{what} is not supported with {type(driver).__name__}",
+                             hint="the engine owns the training loop and its precision")
+    # with a driver the engine casts the model itself (float inputs are made in its dtype)
+    model_low = None if driver is not None and train else low
     constants = dict(constants or {})
     check_inputs(model, [s.name for s in specs] + list(constants))
-    if transform is not None:
+    if transform is not None or driver is not None:
         import copy
         model = copy.deepcopy(model)
     shape_env = ShapeEnv()
@@ -311,8 +322,11 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
     loss_fn = loss_fn or default_loss
     try:
         with contextlib.ExitStack() as stack:
+            if driver is not None and train:
+                stack.enter_context(driver.context())
+                recorder.scalar_hook = driver.scalar
             stack.enter_context(fake_mode)
-            stack.enter_context(fake_module(model, "cpu", low))
+            stack.enter_context(fake_module(model, "cpu", model_low))
             stack.enter_context(optimizer_defaults_for(device))
             stack.enter_context(_modes_in_recompute())
             if device == "cuda":
@@ -327,8 +341,10 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             params = [p for p in dict.fromkeys(model.parameters())]
             trainable = [p for p in params if p.requires_grad]
             _check_precision(prec, model, trainable, train)
-            factory = wrap_optimizer(prec, optimizer or default_optimizer(device))
-            opt = factory(trainable) if train else None
+            factory = optimizer or default_optimizer(device)
+            if driver is None:
+                factory = wrap_optimizer(prec, factory)
+            opt = factory(trainable) if train and driver is None else None
             scaler = torch.amp.GradScaler("cpu") if train and prec.scaler else None
             stack.enter_context(recorder)
             stack.enter_context(recorder.watch_resizes())
@@ -341,10 +357,31 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             if compiled:
                 from .compiled import CompiledForward
                 call = CompiledForward(model, recorder)
-            if train:
+            if train and driver is not None:
+                call = driver.setup(model, trainable, factory)
+                # the engine may have replaced modules (DeepSpeed's AutoTP): hold only what the
+                # model holds now, as the user's program would
+                params = None
+                trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+                for _ in range(driver.warmup):
+                    loss = loss_fn(call(**inputs, **constants))
+                    driver.backward(loss)
+                    driver.step()
+                    loss = None
+                driver.label(recorder)
+                # what the warm-up left in reference cycles is collected before the step, and
+                # the collector does not run inside it (as the oracle measures it)
+                gc.collect()
+                if gc.isenabled():
+                    gc.disable()
+                    stack.callback(gc.enable)
+            elif train:
                 _warm_up(recorder, opt, trainable, device, scaler)
             recorder.run.start = len(recorder.run.events)
-            if train:
+            if train and driver is not None:
+                out, loss = _driven_step(recorder, driver, call, inputs, constants, loss_fn,
+                                         keep_outputs)
+            elif train:
                 for p in trainable:
                     stack.callback(p.register_post_accumulate_grad_hook(recorder.grad_ready).remove)
                 recorder.mark(Phase.ZERO_GRAD)
@@ -387,6 +424,67 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
     finally:
         model.train(was_training)
     return record, shape_env, symbols
+
+
+class Driver:
+    """A training loop owned by a library (DeepSpeed's engine), in place of the plain one.
+
+    :func:`run_step` calls ``setup`` once inside the symbolic run (its allocations are the
+    step's starting state), runs ``warmup`` whole steps, calls ``label`` to name what the
+    library holds (:meth:`Recorder.set_category`), then records one step::
+
+        out = call(**inputs)
+        loss = loss_fn(out)
+        driver.backward(loss)
+        driver.step()
+    """
+
+    warmup = 2
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Entered around the whole symbolic run, outside the fake mode."""
+        return contextlib.nullcontext()
+
+    def setup(self, model: torch.nn.Module, params: list, optimizer: OptimizerFactory
+              ) -> Callable:
+        """Build the engine around ``model``; return what runs the forward."""
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def scalar(self, t: torch.Tensor):
+        """The value the engine's code reads with ``.item()`` from ``t`` (a fake tensor has
+        none), or None for memsim's default (:mod:`tracer.kernels`)."""
+        return None
+
+    def label(self, recorder: Recorder) -> None:
+        """Set the categories of what the engine holds (after the warm-up steps)."""
+
+    def label_gradients(self, recorder: Recorder) -> None:
+        """Set the categories of the gradients the backward produced."""
+
+
+def _driven_step(recorder, driver, call, inputs, constants, loss_fn, keep_outputs):
+    recorder.mark(Phase.ZERO_GRAD)
+    recorder.mark(Phase.FORWARD)
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: (recorder.mark_saved(t), t)[1], lambda t: t):
+        out = call(**inputs, **constants)
+        recorder.mark(Phase.LOSS)
+        loss = loss_fn(out)
+        _check_loss(loss)
+    if not keep_outputs:
+        out = None
+    recorder.mark(Phase.BACKWARD)
+    driver.backward(loss)
+    driver.label_gradients(recorder)
+    recorder.mark(Phase.OPTIMIZER)
+    driver.step()
+    return out, loss  # held to the end of the step, as in a plain loop
 
 
 def _check_precision(prec, model: torch.nn.Module, trainable: list, train: bool) -> None:
