@@ -5,8 +5,11 @@ checkpointing of every decoder layer, micro-batch 4 (no download, no weights: bu
         --input labels=int64[B,S] --at B=4,S=4096 --precision bf16-mixed --train \
         --gpu h100-80gb
 
-The target setup is 8 GPUs with ZeRO-3; until the strategies land (issue 4) this shows the
-single-device budget, which is what one GPU would need without sharding.
+The target setup, 8 GPUs with DeepSpeed ZeRO-3 (DeepSpeed's own engine, traced per rank):
+
+    memsim analyze examples/llama13b.py:model --input input_ids=int64[B,S] \
+        --input labels=int64[B,S] --at B=4,S=4096 --precision bf16-master --train \
+        --gpu h100-80gb --zero 3 --dp 8
 """
 
 import transformers

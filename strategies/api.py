@@ -86,10 +86,10 @@ def _fused_adamw(params):
 
 
 def _zero_ranks(world: int) -> list[int]:
-    """The ranks whose ZeRO step is traced: all of them up to ``MEMSIM_ZERO_RANKS`` (8), else
-    the first two and the last two (partition boundaries differ at the ends)."""
+    """The ranks whose ZeRO step is traced: all of them up to ``MEMSIM_ZERO_RANKS`` (4), else
+    the first two and the last two (the padding of the flat groups falls on the last ranks)."""
     import os
-    limit = int(os.environ.get("MEMSIM_ZERO_RANKS", "8"))
+    limit = int(os.environ.get("MEMSIM_ZERO_RANKS", "4"))
     return list(range(world)) if world <= limit else sorted({0, 1, world - 2, world - 1})
 
 
@@ -192,17 +192,15 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
             autotp = (f" with its AutoTP over {tp.tp} tensor-parallel ranks"
                       if tp is not None else "")
             shown = f"rank {shown_rank}"
-            untraced = ("" if len(traced_ranks) == world else
-                        f"; only ranks {', '.join(map(str, traced_ranks))} of {world} are traced "
-                        f"(set MEMSIM_ZERO_RANKS={world} to trace all): the others' peaks "
-                        "are not known")
+            which = ("every rank traced" if len(traced_ranks) == world else
+                     f"ranks {', '.join(map(str, traced_ranks))} of {world} traced (the others' "
+                     f"peaks are not known; MEMSIM_ZERO_RANKS={world} traces all)")
             report.notes.append(
                 f"per-rank figures, traced with DeepSpeed's own ZeRO-{zero.stage} engine"
-                f"{autotp} (deepspeed.initialize on a fake process group of {world}), each "
-                f"rank traced{untraced}; "
+                f"{autotp} (deepspeed.initialize on a fake process group of {world}), {which}; "
                 + (f"ranks differ (where ZeRO's partition boundaries fall): the figures shown "
                    f"are {shown}'s, the largest peak at the example sizes; \"ranks\" lists "
-                   "them all" if len(classes) > 1 else "ranks are equal") + "; the "
+                   "them all" if len(classes) > 1 else "the traced ranks are equal") + "; the "
                 + ("optimizer is DeepSpeed's FusedAdam, traced as torch's fused AdamW (both "
                    "update in place, no step temporaries; not measured on a GPU)" if fused else
                    "client optimizer is the one given (torch's AdamW by default)")

@@ -74,9 +74,10 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="whose kernels to model (default cuda)")
     a.add_argument("--hint", metavar="S=64", help="example sizes for the symbolic run")
-    a.add_argument("--optimizer", default="AdamW",
+    a.add_argument("--optimizer", default=None,
                    help="a torch.optim class, or lion, adamw8bit, paged_adamw8bit, lion8bit, "
-                        "sgd-momentum... (default AdamW)")
+                        "sgd-momentum... (default AdamW; under --zero on --device cuda, "
+                        "DeepSpeed's FusedAdam)")
     a.add_argument("--precision", default="32-true",
                    help="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true or bf16-master "
                         "(default 32-true)")
@@ -158,9 +159,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _optimizer(name: str):
+def _optimizer(name: str | None):
     from tracer.optimizers import lookup
-    lookup(name)  # an unknown name fails here, before the trace
+    if name is not None:
+        lookup(name)  # an unknown name fails here, before the trace
     return name
 
 

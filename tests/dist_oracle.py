@@ -452,10 +452,14 @@ def _resolved_optimizer(opt, params=None) -> str:
     return f"{name}(foreach={foreach})"
 
 
-def _one_step(model, inputs, opt, loss_fn, keep_outputs=True, counter=None):
+def _one_step(model, inputs, opt, loss_fn, keep_outputs=True, counter=None, engine=None):
+    """One training step; with a DeepSpeed ``engine`` (then ``model`` and ``opt`` are it),
+    ``engine.backward`` and ``engine.step``, which zeroes the gradients itself: the
+    ``zero_grad`` phase is empty."""
     ph = counter.set_phase if counter is not None else (lambda _: None)
     ph("zero_grad")
-    opt.zero_grad(set_to_none=True)
+    if engine is None:
+        opt.zero_grad(set_to_none=True)
     ph("forward")
     out = model(**inputs)
     ph("loss")
@@ -464,11 +468,51 @@ def _one_step(model, inputs, opt, loss_fn, keep_outputs=True, counter=None):
         del out
         out = None
     ph("backward")
-    loss.backward()
+    if engine is None:
+        loss.backward()
+    else:
+        engine.backward(loss)
     ph("step")
     opt.step()
     ph("end")
     return out, loss
+
+
+def _counted_step(groups_fn, step_fn, settle_s: float) -> dict:
+    """Register what ``groups_fn()`` returns (``[(category, tensors)]``, ``other`` last) as live,
+    then run ``step_fn(counter)`` under the storage counter; the figures as a dict."""
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()
+    c = _StorageCounter(settle_s=settle_s)
+    cats: dict[str, int] = {}
+    try:
+        with c:
+            groups = groups_fn()
+            other_detail = []
+            for name, ts in groups:
+                cats[name] = 0
+                for t in ts:
+                    n = c.track(t)
+                    cats[name] += n
+                    if n and name == "other" and len(other_detail) < 10:
+                        other_detail.append(f"{type(t).__name__}{tuple(t.shape)} {t.dtype} {n} B")
+            del groups, ts, t  # hold no reference: the old gradients must die at zero_grad
+            start = c.cur
+            c.peak, c.peak_phase, c.phase_peaks = start, "start", {"start": start}
+            t0 = time.perf_counter()
+            out, loss = step_fn(c)
+            step_s = time.perf_counter() - t0
+            end = c.cur
+        del out, loss
+    finally:
+        c.close()
+        if gc_was:
+            gc.enable()
+    return dict(peak=c.peak, start=start, end=end, **cats, other_detail=other_detail,
+                peak_phase=c.peak_phase, phase_peaks=dict(c.phase_peaks),
+                foreign_frees=c.foreign_frees, resizes=c.resizes,
+                untracked_resizes=c.untracked_resizes, step_s=round(step_s, 4), log=c.log or [])
 
 
 def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=None,
@@ -483,75 +527,24 @@ def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=N
     for _ in range(warmup):
         out, loss = _one_step(model, inputs, opt, loss_fn)
         del out, loss
-    gc.collect()
-    gc_was = gc.isenabled()
-    gc.disable()
-    c = _StorageCounter(settle_s=settle_s)
-    cats: dict[str, int] = {}
-    try:
-        with c:
-            groups = [
-                ("parameters", list(params) + [p for p in model.parameters()
-                                               if not p.requires_grad]),
-                ("gradients", [p.grad for p in params if p.grad is not None]),
-                ("optimizer_states", _optimizer_tensors(opt)),
-                ("buffers", list(model.buffers())),
-                ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
-                ("fsdp_internal", _fsdp_internal_tensors(model)),
-                ("other", _live_tensors()),
-            ]
-            other_detail = []
-            for name, ts in groups:
-                cats[name] = 0
-                for t in ts:
-                    n = c.track(t)
-                    cats[name] += n
-                    if n and name == "other" and len(other_detail) < 10:
-                        other_detail.append(f"{type(t).__name__}{tuple(t.shape)} {t.dtype} {n} B")
-            del groups, ts, t  # hold no reference: the old gradients must die at zero_grad
-            start = c.cur
-            c.peak, c.peak_phase, c.phase_peaks = start, "start", {"start": start}
-            t0 = time.perf_counter()
-            out, loss = _one_step(model, inputs, opt, loss_fn, keep_outputs, counter=c)
-            step_s = time.perf_counter() - t0
-            end = c.cur
-        del out, loss
-    finally:
-        c.close()
-        if gc_was:
-            gc.enable()
-    result = RankMemory(
-        rank=rank, world_size=world_size, peak=c.peak, start=start, end=end,
-        parameters=cats["parameters"], gradients=cats["gradients"],
-        optimizer_states=cats["optimizer_states"], buffers=cats["buffers"],
-        inputs=cats["inputs"], fsdp_internal=cats["fsdp_internal"], other=cats["other"],
-        other_detail=other_detail,
-        peak_phase=c.peak_phase, phase_peaks=dict(c.phase_peaks),
-        foreign_frees=c.foreign_frees, resizes=c.resizes, untracked_resizes=c.untracked_resizes,
-        optimizer=_resolved_optimizer(opt), step_s=round(step_s, 4), log=c.log or [])
+    def groups():
+        return [
+            ("parameters", list(params) + [p for p in model.parameters() if not p.requires_grad]),
+            ("gradients", [p.grad for p in params if p.grad is not None]),
+            ("optimizer_states", _optimizer_tensors(opt)),
+            ("buffers", list(model.buffers())),
+            ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
+            ("fsdp_internal", _fsdp_internal_tensors(model)),
+            ("other", _live_tensors()),
+        ]
+
+    figures = _counted_step(groups, lambda c: _one_step(model, inputs, opt, loss_fn, keep_outputs,
+                                                         counter=c), settle_s)
+    result = RankMemory(rank=rank, world_size=world_size, **figures,
+                        optimizer=_resolved_optimizer(opt))
     if crosscheck:
         result.crosscheck = _fsdp_mem_tracker_step(model, inputs, opt, loss_fn, keep_outputs)
     return result
-
-
-def _ds_step(engine, inputs, loss_fn, keep_outputs=True, counter=None):
-    """The DeepSpeed training step; DeepSpeed zeroes gradients inside ``engine.step()``, so the
-    ``zero_grad`` phase is empty."""
-    ph = counter.set_phase if counter is not None else (lambda _: None)
-    ph("zero_grad")
-    ph("forward")
-    out = engine(**inputs)
-    ph("loss")
-    loss = loss_fn(out)
-    if not keep_outputs:
-        del out
-        out = None
-    ph("backward")
-    engine.backward(loss)
-    ph("step")
-    engine.step()
-    ph("end")
-    return out, loss
 
 
 def _ds_fp32_partitions(zopt) -> list:
@@ -585,65 +578,35 @@ def measure_deepspeed_step(model: nn.Module, inputs: dict, config: dict, *, loss
     engine.train()
     inner = getattr(zopt, "optimizer", zopt)
     for _ in range(warmup):
-        out, loss = _ds_step(engine, inputs, loss_fn)
+        out, loss = _one_step(engine, inputs, engine, loss_fn, engine=engine)
         del out, loss
-    gc.collect()
-    gc_was = gc.isenabled()
-    gc.disable()
-    c = _StorageCounter(settle_s=settle_s)
-    cats: dict[str, int] = {}
-    try:
-        with c:
-            mparams = list(engine.module.parameters())
-            fp32 = _ds_fp32_partitions(zopt)
-            groups = [
-                ("parameters", mparams + [p.ds_tensor for p in mparams
-                                          if isinstance(getattr(p, "ds_tensor", None),
-                                                        torch.Tensor)]),
-                ("gradients", [p.grad for p in mparams + fp32 if p.grad is not None]
-                 + [t for t in [getattr(zopt, "grad_partitions_flat_buffer", None)]
-                    if isinstance(t, torch.Tensor)]),
-                ("optimizer_states", _optimizer_tensors(inner) + fp32),
-                ("buffers", list(engine.module.buffers())),
-                ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
-                ("fsdp_internal", []),
-                ("other", _live_tensors()),
-            ]
-            del mparams, fp32
-            other_detail = []
-            for name, ts in groups:
-                cats[name] = 0
-                for t in ts:
-                    n = c.track(t)
-                    cats[name] += n
-                    if n and name == "other" and len(other_detail) < 10:
-                        other_detail.append(f"{type(t).__name__}{tuple(t.shape)} {t.dtype} {n} B")
-            del groups, ts, t
-            start = c.cur
-            c.peak, c.peak_phase, c.phase_peaks = start, "start", {"start": start}
-            t0 = time.perf_counter()
-            out, loss = _ds_step(engine, inputs, loss_fn, keep_outputs, counter=c)
-            step_s = time.perf_counter() - t0
-            end = c.cur
-        del out, loss
-    finally:
-        c.close()
-        if gc_was:
-            gc.enable()
+
+    def groups():
+        mparams = list(engine.module.parameters())
+        fp32 = _ds_fp32_partitions(zopt)
+        return [
+            ("parameters", mparams + [p.ds_tensor for p in mparams
+                                      if isinstance(getattr(p, "ds_tensor", None),
+                                                    torch.Tensor)]),
+            ("gradients", [p.grad for p in mparams + fp32 if p.grad is not None]
+             + [t for t in [getattr(zopt, "grad_partitions_flat_buffer", None)]
+                if isinstance(t, torch.Tensor)]),
+            ("optimizer_states", _optimizer_tensors(inner) + fp32),
+            ("buffers", list(engine.module.buffers())),
+            ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
+            ("fsdp_internal", []),
+            ("other", _live_tensors()),
+        ]
+
+    figures = _counted_step(groups, lambda c: _one_step(engine, inputs, engine, loss_fn,
+                                                         keep_outputs, counter=c, engine=engine),
+                            settle_s)
     if getattr(zopt, "overflow", False):  # inf/NaN gradients: DeepSpeed skipped the update
-        other_detail.append("deepspeed overflow: optimizer step skipped")
+        figures["other_detail"].append("deepspeed overflow: optimizer step skipped")
     # the tensors the inner optimizer steps (ZeRO-3 empties its param_groups between steps)
     label = _resolved_optimizer(inner, _ds_fp32_partitions(zopt) or None)
-    return RankMemory(
-        rank=rank, world_size=world_size, peak=c.peak, start=start, end=end,
-        parameters=cats["parameters"], gradients=cats["gradients"],
-        optimizer_states=cats["optimizer_states"], buffers=cats["buffers"],
-        inputs=cats["inputs"], fsdp_internal=0, other=cats["other"],
-        other_detail=other_detail,
-        peak_phase=c.peak_phase, phase_peaks=dict(c.phase_peaks),
-        foreign_frees=c.foreign_frees, resizes=c.resizes, untracked_resizes=c.untracked_resizes,
-        optimizer=f"{type(zopt).__name__}[{label}]",
-        step_s=round(step_s, 4), log=c.log or [])
+    return RankMemory(rank=rank, world_size=world_size, **figures,
+                      optimizer=f"{type(zopt).__name__}[{label}]")
 
 
 def _import_deepspeed():

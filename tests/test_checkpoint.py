@@ -197,3 +197,13 @@ def test_hf_llama_optimal_plan_real_run(frac):
     res = optimal_plan(m, test_hf.LM, pt, budget, device="cpu", base=none, cache=_LLAMA)
     assert res is not None and res.plan and res.report.at(**pt)["train"]["peak"] <= budget
     check(res.report, lambda: apply_checkpointing(test_hf.llama(), res.plan), test_hf.LM, [pt])
+
+
+def test_recomputation_leaves_the_module_stack_as_it_found_it():
+    """Checkpoint's recomputation stops early (an exception), skipping the forward hooks that
+    pop memsim's module stack: backward ops after it must not be charged to a stale module."""
+    report = predict(with_plan("blocks"), GPT, inference=False)
+    ops = [op for op in report.train.trace.run.ops if getattr(op, "phase", None) is not None]
+    backward = [op.module for op in ops if op.phase.value == "backward"]
+    assert backward[-1] is None  # the embedding's backward runs in no module's forward
+    assert any(m is not None and m.startswith("h.") for m in backward)  # the recomputation

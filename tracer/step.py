@@ -328,7 +328,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             stack.enter_context(fake_mode)
             stack.enter_context(fake_module(model, "cpu", model_low))
             stack.enter_context(optimizer_defaults_for(device))
-            stack.enter_context(_modes_in_recompute())
+            stack.enter_context(_modes_in_recompute(recorder))
             if device == "cuda":
                 from .cuda import cuda_kernels
                 stack.enter_context(cuda_kernels())
@@ -520,7 +520,7 @@ def _register(recorder: Recorder, model: torch.nn.Module, inputs: dict) -> None:
 
 
 @contextlib.contextmanager
-def _modes_in_recompute():
+def _modes_in_recompute(recorder: Recorder | None = None):
     """Keep memsim's torch-function modes (CUDA kernel choices, CUDA autocast policy) on in the
     forward that non-reentrant activation checkpointing recomputes during backward.
 
@@ -528,7 +528,9 @@ def _modes_in_recompute():
     forward would otherwise pick CPU kernels (e.g. SDPA's math path) and fail checkpoint's
     metadata check. The modes active when a checkpointed region runs forward are entered again
     around its recomputation; a real run has no modes, and its kernel choice is the same both
-    times.
+    times. The recomputation stops early (an exception, once the tensors backward needs are
+    back), which skips the forward hooks that pop ``recorder.module_stack``: the stack is cut
+    back to its depth at the start of the recomputation when it ends.
     """
     import torch.utils.checkpoint as ckpt
     from torch.overrides import _get_current_function_mode_stack
@@ -549,10 +551,15 @@ def _modes_in_recompute():
 
             @contextlib.contextmanager
             def recompute():
-                with rec, stack:
-                    for m in modes:
-                        stack.enter_context(m)
-                    yield
+                depth = len(recorder.module_stack) if recorder is not None else 0
+                try:
+                    with rec, stack:
+                        for m in modes:
+                            stack.enter_context(m)
+                        yield
+                finally:
+                    if recorder is not None:
+                        del recorder.module_stack[depth:]
 
             return fwd, recompute()
 
