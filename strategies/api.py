@@ -94,13 +94,14 @@ def _zero_ranks(world: int) -> list[int]:
 
 
 def _deepspeed_ranks(traced, world: int):
-    """``(report, classes, traced ranks)``: each traced rank's report, grouped by equal peak
-    formulas; the report shown is the rank with the largest peak at the example sizes."""
+    """``(report, classes, traced ranks, shown rank)``: each traced rank's report, grouped by
+    equal peak formulas; the report shown is the rank with the largest peak at the example
+    sizes."""
     ranks = _zero_ranks(world)
     reports = {r: traced(r) for r in ranks}
     groups: dict[str, list[int]] = {}
     for r, rep in reports.items():
-        groups.setdefault(str(rep.train.peak if rep.train is not None else r), []).append(r)
+        groups.setdefault(str(rep.train.peak), []).append(r)
     classes = [tuple(g) for g in groups.values()]
 
     def at_hints(rep) -> int:
@@ -109,10 +110,9 @@ def _deepspeed_ranks(traced, world: int):
 
     best = max(ranks, key=lambda r: (at_hints(reports[r]), -r))
     report = reports[best]
-    report.rank = best
     if len(classes) > 1:
         report.ranks = [RankClass(c, reports[c[0]]) for c in classes]
-    return report, classes, ranks
+    return report, classes, ranks, best
 
 
 def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
@@ -164,8 +164,7 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
             report.ranks = [RankClass(classes[0], report)] + [RankClass(c, traced(c[0]))
                                                               for c in classes[1:]]
     else:
-        report, classes, traced_ranks = _deepspeed_ranks(traced, world)
-        shown_rank = report.rank
+        report, classes, traced_ranks, shown_rank = _deepspeed_ranks(traced, world)
     strategy = describe(lora=lora, fsdp=fsdp, tp=tp, zero=zero, ddp=ddp, checkpoint=checkpoint)
 
     def finish(report: analysis.Report) -> analysis.Report:

@@ -361,7 +361,6 @@ def _checkpoint(args) -> int:
     model = load_target(args.target)
     kw = dict(device=args.device, optimizer=_optimizer(args.optimizer), hints=hints,
               precision=args.precision, accumulate=args.accumulate)
-    from analysis import analyze
     base = analyze(model, specs, inference=False, **kw)
     budget = parse_memory(args.budget) if args.budget else None
     if setup is not None:

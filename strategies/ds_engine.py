@@ -13,8 +13,9 @@ reduce buckets, stage 3's gathered parameters and prefetches, the step's flatten
 partitions) is a storage of the trace with its real lifetime. DeepSpeed runs with its CPU
 accelerator (its code paths for streams and events are no-ops there); on CUDA it allocates the
 same tensors. What a fake tensor has no value for is answered as a healthy step would: no
-overflow, equal lists on every rank (``scalar``). The client optimizer is memsim's (torch's
-AdamW by default; ``zero_allow_untested_optimizer``), so its temporaries are torch's.
+overflow, equal lists on every rank (``scalar``). The client optimizer is the one memsim is
+given (``zero_allow_untested_optimizer``); :func:`strategies.analyze` gives torch's fused AdamW
+on CUDA in place of DeepSpeed's FusedAdam, torch's AdamW on the CPU.
 
 deepspeed is an optional dependency (``pip install deepspeed``), imported when used.
 """
