@@ -21,7 +21,7 @@ from tracer import StrategyError
 
 from .lora import LoRA, QLoRA, apply_lora, apply_qlora
 from .parallel import FSDP, TensorParallel, rank_classes, transform
-from .zero import DDP, ZeRO, ddp_rank, rank_step, zero_rank
+from .zero import DDP, ZeRO, ddp_rank, host_peak, rank_step
 
 __all__ = ["analyze", "describe", "RankClass"]
 
@@ -133,12 +133,13 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
     if checkpoint:
         plan = named_plan(model, checkpoint) if isinstance(checkpoint, str) else list(checkpoint)
     driver = None
-    if zero is not None and not zero.offloaded:
+    if zero is not None:
         from .ds_engine import DeepSpeedDriver, deepspeed_config
         t = tp.tp if tp is not None else 1
         ds_config, world = deepspeed_config(zero, kw.get("precision"), t), zero.dp * t
-        driver = DeepSpeedDriver(ds_config, world)
-        fused = kw.get("optimizer") is None and kw.get("device", "cuda") == "cuda"
+        gpu = kw.get("device", "cuda") == "cuda"
+        driver = DeepSpeedDriver(ds_config, world, gpu=gpu)
+        fused = kw.get("optimizer") is None and gpu
         if fused:  # DeepSpeed's FusedAdam (its AdamW on a GPU) updates in place, as this does
             kw["optimizer"] = _fused_adamw
     # with ZeRO, DeepSpeed's AutoTP shards the model inside the engine
@@ -156,7 +157,7 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
 
         return analysis.analyze(model, inputs, transform=apply if (plan or sharding) else None,
                                 driver=driver if driver is None or rank == 0 else
-                                DeepSpeedDriver(ds_config, world, rank), **kw)
+                                DeepSpeedDriver(ds_config, world, rank, gpu), **kw)
 
     if driver is None:
         report = traced(0)
@@ -206,14 +207,24 @@ def analyze(model: torch.nn.Module, inputs: dict, *, lora: LoRA | None = None,
                 + "; the inference figures are the plain forward"
                 + ("; fp16 is traced but not checked against a real run (DeepSpeed's CPU "
                    "accelerator refuses fp16)" if "fp16" in ds_config else ""))
-        for cfg, fn in ((None if driver else zero, zero_rank), (ddp, ddp_rank)):
-            if cfg is not None and report.train is not None:
-                rank = fn(report, model, cfg)
-                report.train = rank_step(report.train, rank)
-                report.notes.extend(rank.notes)
-                report.strategy["buffers"] = {k: str(v) for k, v in rank.buffers.items()}
-                if rank.host != 0:
-                    report.strategy["host_bytes"] = str(rank.host)
+            if zero.offloaded and report.train is not None:
+                what = ("ZeRO-Offload: what DeepSpeed places on the CPU (fp32 master "
+                        "partitions, optimizer states, gradient partitions"
+                        + (", parameter partitions" if zero.offload_param else "") + ") is host "
+                        "memory")
+                if report.device == "cuda":
+                    report.strategy["host_bytes"] = str(host_peak(report.train.trace))
+                    report.notes.append(
+                        f"{what}, not in the figures: its peak is strategy.host_bytes; the "
+                        "split is DeepSpeed's own placement, not measured on a GPU")
+                else:
+                    report.notes.append(f"{what}; on --device cpu it is the same memory, so "
+                                        "the figures are the sum")
+        if ddp is not None and report.train is not None:
+            rank = ddp_rank(report, model, ddp)
+            report.train = rank_step(report.train, rank)
+            report.notes.extend(rank.notes)
+            report.strategy["buffers"] = {k: str(v) for k, v in rank.buffers.items()}
         retrace = report._retrace
         if retrace is not None:
             report._retrace = lambda fixed: finish(retrace(fixed))

@@ -306,10 +306,7 @@ def run(argv: list[str] | None = None) -> int:
         device, cap, overheads = setup
         budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
-        z = report.strategy.get("zero") or {}
-        if "cpu" in (z.get("offload_optimizer"), z.get("offload_param")):
-            budget.basis = "modelled: DeepSpeed ZeRO-Offload"
-        elif "ddp" in report.strategy:
+        if "ddp" in report.strategy:
             budget.basis = "traced; DDP buckets modelled"
     if point is not None:
         shown, spoint = report.for_point(point)

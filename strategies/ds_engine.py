@@ -12,7 +12,9 @@ so every buffer DeepSpeed allocates (flat 16-bit parameter groups, fp32 master p
 reduce buckets, stage 3's gathered parameters and prefetches, the step's flattened gradient
 partitions) is a storage of the trace with its real lifetime. DeepSpeed runs with its CPU
 accelerator (its code paths for streams and events are no-ops there); on CUDA it allocates the
-same tensors. What a fake tensor has no value for is answered as a healthy step would: no
+same tensors. Modelling a GPU, the accelerator computes on the fake device ``cpu:1``, so that
+what DeepSpeed places on ``cpu`` (ZeRO-Offload's partitions and buffers) is host memory
+(:attr:`tracer.step.Driver.host_device`). What a fake tensor has no value for is answered as a healthy step would: no
 overflow, equal lists on every rank (``scalar``). The client optimizer is the one memsim is
 given (``zero_allow_untested_optimizer``); :func:`strategies.analyze` gives torch's fused AdamW
 on CUDA in place of DeepSpeed's FusedAdam, torch's AdamW on the CPU.
@@ -51,6 +53,12 @@ def deepspeed_config(zero, precision: str | None, tp: int = 1) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "zero_allow_untested_optimizer": True, "steps_per_print": 2**62,
            "wall_clock_breakdown": False, "zero_optimization": z}
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(zero, key) == "cpu":
+            z[key] = {"device": "cpu"}
+            # the client optimizer steps the host partitions (DeepSpeed's CPU Adam is a
+            # compiled op; it allocates no step temporaries, torch's AdamW does, on the host)
+            cfg["zero_force_ds_cpu_optimizer"] = False
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
     prec = precision or "32-true"
@@ -96,6 +104,8 @@ def _apply(self, fn, recurse=True):
             new = fn(param)
         if new is not param:
             param.data = new
+            if hasattr(param, "fake_device"):  # a fake tensor keeps its device on the object
+                param.fake_device = new.device
         if param.grad is not None:
             with torch.no_grad():
                 g = fn(param.grad)
@@ -112,13 +122,39 @@ def _apply(self, fn, recurse=True):
 _ZERO_READS = ("overflow", "inf_or_nan", "invalid", "_exit")
 
 
+# Modelling a GPU, the accelerator is the CPU as the fake device "cpu:1": what DeepSpeed keeps
+# on "cpu" (ZeRO-Offload's host buffers, torch's step counters) stays apart from what it keeps
+# on its accelerator, and its code takes the paths it takes when the two differ
+GPU_DEVICE = "cpu:1"
+
+
+def _accelerator(cpu_accelerator, device: str):
+    """DeepSpeed's CPU accelerator computing on the fake ``device``."""
+
+    class Accelerator(cpu_accelerator):
+        def device_name(self, device_index=None):
+            return device
+
+        def current_device_name(self):
+            return device
+
+        def is_fp16_supported(self):
+            # DeepSpeed refuses fp16 on its CPU accelerator; a GPU has it (fp16 is traced, but
+            # no CPU run can check it)
+            return True
+
+    return Accelerator()
+
+
 class DeepSpeedDriver(Driver):
     """One rank of DeepSpeed ZeRO over ``world`` ranks (see the module docstring)."""
 
     warmup = 2  # stage 3 records its parameter trace in the first step, prefetches from the next
+    host_device = torch.device("cpu")
 
-    def __init__(self, config: dict, world: int, rank: int = 0):
+    def __init__(self, config: dict, world: int, rank: int = 0, gpu: bool = True):
         self.config, self.world, self.rank = config, world, rank
+        self.device = GPU_DEVICE if gpu else "cpu"
         self.engine = None
 
     @contextlib.contextmanager
@@ -160,11 +196,7 @@ class DeepSpeedDriver(Driver):
             os.environ.update(env)
             for obj, name, _, new in saved:
                 setattr(obj, name, new)
-            cpu = CPU_Accelerator()
-            # DeepSpeed refuses fp16 on its CPU accelerator; a GPU has it (fp16 is traced, but
-            # no CPU run can check it)
-            cpu.is_fp16_supported = lambda: True
-            acc.set_accelerator(cpu)
+            acc.set_accelerator(_accelerator(CPU_Accelerator, self.device))
             log.setLevel(logging.ERROR)
             with _quiet(), contextlib.redirect_stdout(sys.stderr):
                 yield

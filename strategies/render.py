@@ -199,7 +199,7 @@ def strategy_text(st: dict) -> str:
         z = st["zero"]
         off = "cpu" in (z.get("offload_optimizer"), z.get("offload_param"))
         parts.append(f"DeepSpeed ZeRO-{z['stage']} dp={z['dp']}"
-                     + (" + CPU offload (modelled)" if off else " (DeepSpeed's engine, traced)"))
+                     + (" + CPU offload" if off else "") + " (DeepSpeed's engine, traced)")
     if "ddp" in st:
         parts.append(f"DDP dp={st['ddp']['dp']}")
     if "tp" in st:

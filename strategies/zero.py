@@ -1,31 +1,12 @@
-"""DeepSpeed ZeRO stages 1, 2 and 3 and DDP gradient buckets, per rank.
+"""DeepSpeed ZeRO settings and published figures, and DDP gradient buckets, per rank.
 
 ZeRO is **traced**: :mod:`strategies.ds_engine` runs DeepSpeed's own engine
 (``deepspeed.initialize`` and its ``backward``/``step``) inside the symbolic step, on a fake
 process group, once per rank; every rank's peak equals a real DeepSpeed step on CPU
-(``tests/test_zero.py``). ZeRO-Offload (``offload_optimizer`` / ``offload_param`` ``"cpu"``)
-is still **modelled** (:func:`zero_rank`), from DeepSpeed 0.19.6's ``stage_1_and_2.py`` and
-``stage3.py`` (Ψ trainable parameters, N ranks, b bytes per 16-bit element, B =
-``reduce_bucket_size`` elements, K optimizer bytes per parameter, 12 for Adam with fp32
-master weights):
-
-========  ==================================  =======================================  ========================
-stage     persistent                          backward extra                           step extra
-========  ==================================  =======================================  ========================
-1         bΨ + KΨ/N                           bΨ (full 16-bit grads) + B·b (bucket)    bΨ/N + 2bΨ/N (flat, fp32)
-2         bΨ + KΨ/N + bΨ/N (grad partition)   (1 + overlap)·B·b + B·b (reduce copy)    bΨ/N + 2bΨ/N
-3         bΨ/N + KΨ/N + bΨ/N + B·b            2 × largest module's parameters (b)       6 × min(Ψ/N, sub_group)
-========  ==================================  =======================================  ========================
-
-Frozen parameters cost their own bytes, whole (stages 1, 2) or partitioned (stage 3); stage 3
-keeps parameters under ``param_persistence_threshold`` elements whole. With
-``offload_optimizer="cpu"`` the KΨ/N states, the fp32 gradients and the step move to the host.
-This model is **not checked against a DeepSpeed run** (DeepSpeed's CPU optimizer needs its
-compiled op); the output says so. The traced engine shows what it leaves out: DeepSpeed clones
-an fp32 master even for fp32 weights (K = 12), and stage 3 keeps every parameter it gathered
-under the default ``stage3_max_reuse_distance``. The ZeRO paper's model-state figures
-(:func:`paper_model_states`) and DeepSpeed's own estimators (:func:`deepspeed_estimate`) are
-reproduced for comparison.
+(``tests/test_zero.py``), ZeRO-Offload included (there as the sum of device and host: on the
+CPU they are one memory). Modelling a GPU, what DeepSpeed places on the CPU is host memory
+(:func:`host_peak`). The ZeRO paper's model-state figures (:func:`paper_model_states`) and
+DeepSpeed's own estimators (:func:`deepspeed_estimate`) are reproduced for comparison.
 
 DDP (``torch.nn.parallel.DistributedDataParallel``) allocates, at construction, flat buckets
 holding a copy of every trainable gradient (``gradient_as_bucket_view=False``, the default): one
@@ -44,19 +25,18 @@ import sympy
 import torch
 
 from analysis import StepMemory
-from analysis.memory import Added, PeakPoint, edited_candidates
+from analysis.memory import Added, edited_candidates
 from analysis.peak import Candidate, as_max
-from tracer import MODEL_STATE, Category, Phase, StrategyError
+from tracer import Category, Phase, StrategyError
 
 __all__ = ["ZeRO", "DDP", "paper_model_states", "deepspeed_estimate", "load_deepspeed_config",
-           "zero_rank", "ddp_rank", "RankMemory"]
+           "host_peak", "ddp_rank", "RankMemory"]
 
 
 @dataclass(frozen=True)
 class ZeRO:
     """DeepSpeed ZeRO settings (the names of ``zero_optimization`` in ``ds_config.json``, with
-    DeepSpeed's defaults). ``optimizer_bytes`` and ``low_bytes`` apply to the modelled
-    ZeRO-Offload only."""
+    DeepSpeed's defaults)."""
 
     stage: int
     dp: int
@@ -71,8 +51,6 @@ class ZeRO:
     sub_group_size: int = 1_000_000_000
     offload_optimizer: str | None = None      # "cpu"
     offload_param: str | None = None          # "cpu" (stage 3)
-    optimizer_bytes: int | None = None        # K; default 12 (fp32 master + Adam moments)
-    low_bytes: int | None = None              # b; default from the traced precision
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
@@ -86,7 +64,7 @@ class ZeRO:
         for k in ("offload_optimizer", "offload_param"):
             v = getattr(self, k)
             if v not in (None, "none", "cpu"):
-                raise StrategyError(f"ZeRO {k}={v!r}: only 'cpu' is modelled",
+                raise StrategyError(f"ZeRO {k}={v!r}: only 'cpu' is traced",
                                     hint="NVMe offload (ZeRO-Infinity) is not modelled")
 
     @property
@@ -209,76 +187,12 @@ def _numel(ps) -> int:
     return sum(p.numel() for p in dict.fromkeys(ps))
 
 
-def _activation_peak_until(step, phase: Phase) -> list:
-    """Candidates for the most non-model-state bytes live before ``phase`` ends."""
+def host_peak(trace) -> sympy.Expr:
+    """The peak of host memory over a traced step (storages the run placed on the host)."""
+    from dataclasses import replace
+
     from analysis.memory import peak_candidates
-
-    run = step.trace.run
-    return peak_candidates(step.trace, skip=MODEL_STATE,
-                           until=run.phase_ends.get(phase, len(run.events)))
-
-
-def zero_rank(report, model: torch.nn.Module, zero: ZeRO) -> RankMemory:
-    """Per-rank memory of a training step under DeepSpeed ZeRO (see the module docstring)."""
-    step = report.train
-    if step is None:
-        raise StrategyError("ZeRO needs the training step", hint="do not pass --inference")
-    n, B = zero.dp, zero.reduce_bucket_size
-    fp32 = report.precision in ("32-true", "bf16-mixed", "16-mixed")
-    # DeepSpeed without bf16/fp16 trains fp32 weights, which are their own masters (K = 8)
-    b = zero.low_bytes or (4 if fp32 else 2)
-    k = zero.optimizer_bytes or (8 if fp32 else 12)
-    params = list(dict.fromkeys(model.parameters()))
-    train = [p for p in params if p.requires_grad]
-    frozen = [p for p in params if not p.requires_grad]
-    psi = _numel(train)
-    frozen_bytes = sum(p.numel() * b for p in frozen)
-    shard = sympy.Rational(psi, n)
-    act = _activation_peak_until(step, Phase.BACKWARD)
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False))
-                   for m in model.modules()), default=0)
-    off = zero.offload_optimizer == "cpu"
-    host = sympy.Integer(0)
-    notes = ["modelled from DeepSpeed 0.19.6's code; not checked against a DeepSpeed run"]
-    bufs: dict[str, sympy.Expr] = {}
-    opt = k * shard
-    if off:
-        host += opt + 4 * shard  # fp32 master + moments, fp32 gradient partition
-        opt = sympy.Integer(0)
-    if zero.stage in (1, 2):
-        par = sympy.Integer(b * psi + frozen_bytes)
-        grads = b * shard if zero.stage == 2 else sympy.Integer(0)
-        if zero.stage == 1:
-            bufs["reduce_bucket"] = sympy.Integer(B * b)
-            bwd_extra = b * psi + B * b       # every 16-bit gradient lives to the boundary
-        else:
-            bufs["reduce_bucket"] = sympy.Integer((1 + zero.overlap) * B * b)
-            bwd_extra = (1 + zero.overlap) * B * b + B * b  # buckets + the flattened copy
-        step_extra = sympy.Integer(0) if off else 3 * b * shard
-    else:
-        small = sum(p.numel() for p in params
-                    if p.numel() <= zero.stage3_param_persistence_threshold)
-        par = b * sympy.Rational(psi + sum(p.numel() for p in frozen), n) + b * small
-        grads = b * shard
-        bufs["reduce_bucket"] = sympy.Integer(B * b)
-        gathered = 2 * largest * b
-        bufs["gathered_parameters"] = sympy.Integer(gathered)
-        bwd_extra = gathered
-        if zero.offload_param == "cpu":
-            host += par
-            par = sympy.Integer(0)
-        step_extra = sympy.Integer(0) if off else 6 * sympy.Min(shard, zero.sub_group_size)
-        notes.append("stage 3: the gathered working set is two modules' parameters (the one "
-                     "running and one prefetched); DeepSpeed may keep more gathered "
-                     "(max_reuse_distance)")
-    persistent = par + opt + grads + (bufs["reduce_bucket"] if zero.stage == 3 else 0)
-    cands = [Candidate(sympy.expand(persistent + bwd_extra + c.expr), c.event, c.label)
-             for c in act]
-    cands.append(Candidate(sympy.expand(persistent + step_extra), len(step.trace.run.events),
-                           PeakPoint("optimizer", "ZeRO step (modelled)", None)))
-    return RankMemory(peak=as_max(cands), parameters=par, gradients=grads,
-                      optimizer_states=opt, buffers=bufs, host=host, notes=notes,
-                      candidates=cands)
+    return as_max(peak_candidates(replace(trace, device="host")))
 
 
 def ddp_rank(report, model: torch.nn.Module, ddp: DDP) -> RankMemory:

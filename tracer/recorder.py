@@ -102,6 +102,7 @@ class Recorder(TorchDispatchMode):
         self._n_repl = 0
         self._paused = False  # inside DTensor's sharding propagation: ops are not the run's
         self.scalar_hook = None  # a Driver's answer to .item() (tracer.kernels)
+        self.host_device = None  # a Driver's host device: storages there are host memory
 
     # -- storages -------------------------------------------------------------------------------
     @property
@@ -123,9 +124,10 @@ class Recorder(TorchDispatchMode):
         sid = len(self.run.storages)
         # a tensor on the meta device (a library's shape-only bookkeeping) holds no memory
         nbytes = 0 if t.device.type == "meta" else st.nbytes()
+        host = self.host_device is not None and t.device == self.host_device
         self.run.storages.append(Storage(
-            sid=sid, nbytes=as_expr(nbytes), device=self.device, alloc=self.time,
-            phase=self.phase, module=self.module, op=op, category=category))
+            sid=sid, nbytes=as_expr(nbytes), device="host" if host else self.device,
+            alloc=self.time, phase=self.phase, module=self.module, op=op, category=category))
         self._live[key] = sid
         self.run.events.append(Event(+1, sid, self.time))
         self._finalizers.append(weakref.finalize(st, self._release, key, sid))

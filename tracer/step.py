@@ -325,6 +325,8 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
             if driver is not None and train:
                 stack.enter_context(driver.context())
                 recorder.scalar_hook = driver.scalar
+                # host memory is apart from the device's only on a GPU (on the CPU it is all one)
+                recorder.host_device = driver.host_device if device == "cuda" else None
             stack.enter_context(fake_mode)
             stack.enter_context(fake_module(model, "cpu", model_low))
             stack.enter_context(optimizer_defaults_for(device))
@@ -336,7 +338,8 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
                 stack.enter_context(patches())
             if transform is not None:
                 transform(model)
-            inputs, symbols = make_inputs(specs, shape_env, hints, "cpu", low)
+            inputs, symbols = make_inputs(specs, shape_env, hints,
+                                          driver.device if driver and train else "cpu", low)
             model.train(train)
             params = [p for p in dict.fromkeys(model.parameters())]
             trainable = [p for p in params if p.requires_grad]
@@ -440,6 +443,8 @@ class Driver:
     """
 
     warmup = 2
+    device = "cpu"  # the (fake) device the engine computes on; the inputs are made there
+    host_device = None  # where the engine puts host memory (offload), if it has any
 
     def context(self) -> contextlib.AbstractContextManager:
         """Entered around the whole symbolic run, outside the fake mode."""
