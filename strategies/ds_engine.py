@@ -14,10 +14,10 @@ partitions) is a storage of the trace with its real lifetime. DeepSpeed runs wit
 accelerator (its code paths for streams and events are no-ops there); on CUDA it allocates the
 same tensors. Modelling a GPU, the accelerator computes on the fake device ``cpu:1``, so that
 what DeepSpeed places on ``cpu`` (ZeRO-Offload's partitions and buffers) is host memory
-(:attr:`tracer.step.Driver.host_device`). What a fake tensor has no value for is answered as a healthy step would: no
-overflow, equal lists on every rank (``scalar``). The client optimizer is the one memsim is
-given (``zero_allow_untested_optimizer``); :func:`strategies.analyze` gives torch's fused AdamW
-on CUDA in place of DeepSpeed's FusedAdam, torch's AdamW on the CPU.
+(:attr:`tracer.step.Driver.host_device`). What a fake tensor has no value for is answered as a
+healthy step would: no overflow, equal lists on every rank (``scalar``). The client optimizer
+is the one memsim is given (``zero_allow_untested_optimizer``); :func:`strategies.analyze`
+gives torch's fused AdamW on CUDA in place of DeepSpeed's FusedAdam, torch's AdamW on the CPU.
 
 deepspeed is an optional dependency (``pip install deepspeed``), imported when used.
 """
@@ -116,6 +116,13 @@ def _apply(self, fn, recurse=True):
             self._buffers[key] = fn(buf)
     return self
 
+
+# what DeepSpeed's ZeRO optimizers hold, by attribute name
+_HOLDS = {Category.PARAMETER: ("bit16_groups_flat", "fp16_partitioned_groups_flat"),
+          Category.OPTIMIZER_STATE: ("single_partition_of_fp32_groups",
+                                     "fp32_partitioned_groups_flat"),
+          Category.GRADIENT: ("grad_partitions_flat_buffer", "grads_in_partition", "ipg_buffer",
+                              "averaged_gradients")}
 
 # .item() reads in DeepSpeed's code, by the function that makes them: a healthy step has no
 # overflow, no non-finite gradient, no parameter modified outside the engine
@@ -255,12 +262,7 @@ class DeepSpeedDriver(Driver):
             ds = getattr(p, "ds_tensor", None)
             if ds is not None:
                 recorder.set_category(ds, Category.PARAMETER)
-        groups = {Category.PARAMETER: ("bit16_groups_flat", "fp16_partitioned_groups_flat"),
-                  Category.OPTIMIZER_STATE: ("single_partition_of_fp32_groups",
-                                             "fp32_partitioned_groups_flat"),
-                  Category.GRADIENT: ("grad_partitions_flat_buffer", "grads_in_partition",
-                                      "ipg_buffer", "averaged_gradients")}
-        for cat, names in groups.items():
+        for cat, names in _HOLDS.items():
             for name in names:
                 for t in _tensors(getattr(opt, name, None)):
                     recorder.set_category(t, cat)
@@ -275,7 +277,7 @@ class DeepSpeedDriver(Driver):
         for p in self.engine.module.parameters():
             if p.grad is not None:
                 recorder.set_category(p.grad, Category.GRADIENT)
-        for name in ("averaged_gradients", "grads_in_partition", "ipg_buffer"):
+        for name in _HOLDS[Category.GRADIENT]:
             for t in _tensors(getattr(opt, name, None)):
                 recorder.set_category(t, Category.GRADIENT)
 

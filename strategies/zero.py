@@ -178,7 +178,6 @@ class RankMemory:
     gradients: sympy.Expr
     optimizer_states: sympy.Expr
     buffers: dict[str, sympy.Expr] = field(default_factory=dict)  # communication buffers
-    host: sympy.Expr = sympy.Integer(0)     # offloaded to CPU memory
     notes: list[str] = field(default_factory=list)
     candidates: list = field(default_factory=list)
 
