@@ -828,12 +828,28 @@ def _configure_forkserver():
     _FORKSERVER_READY = True
 
 
+def _run_ranks(mp, job: _Job, world_size: int, start_method: str, timeout_s: float) -> bool:
+    """Run every rank to the end; False (the ranks killed) if they take over ``timeout_s``."""
+    ctx = mp.start_processes(_rank_main, args=(job,), nprocs=world_size, join=False,
+                             start_method=start_method)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join()
+            return False
+    return True
+
+
 def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
             strategy=None, world_size: int | None = None, loss_fn=None, optimizer_fn=None,
             keep_outputs: bool = True, warmup: int | None = None, settle_s: float = 1e-3,
             seed: int = 0, crosscheck: bool = False, start_method: str = "forkserver",
-            retries: int = 2,
-            timeout_s: float = 600) -> list[RankMemory]:
+            retries: int = 2, timeout_s: float = 600,
+            run_timeout_s: float = 300) -> list[RankMemory]:
     """Run the step in ``world_size`` fresh processes (1 for :class:`Plain`) and return one
     :class:`RankMemory` per rank.
 
@@ -843,8 +859,8 @@ def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
     ``functools.partial``). ``crosscheck=True`` runs one more identical step under
     ``FSDPMemTracker`` (``MemTracker`` when not FSDP2) and stores its figures in
     ``RankMemory.crosscheck`` (not for :class:`DeepSpeed`). A run in which some free arrived on
-    a gloo thread (so not in program order, see ``foreign_frees``) is repeated up to
-    ``retries`` times. ``warmup``: steps before the measured one; ``None``: 2 for
+    a gloo thread (so not in program order, see ``foreign_frees``), or whose ranks have not all
+    finished after ``run_timeout_s``, is repeated up to ``retries`` times. ``warmup``: steps before the measured one; ``None``: 2 for
     :class:`DeepSpeed`, else 1.
     """
     import json
@@ -879,8 +895,11 @@ def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
             for r in range(world_size):
                 store.delete_key(f"result/{r}")
             job.attempt = attempt
-            mp.start_processes(_rank_main, args=(job,), nprocs=world_size, join=True,
-                               start_method=start_method)
+            if not _run_ranks(mp, job, world_size, start_method, run_timeout_s):
+                if attempt <= retries:
+                    continue  # a rank hung (e.g. a lost gloo rendezvous): run them all again
+                raise TimeoutError(f"the ranks did not finish within {run_timeout_s} s, "
+                                   f"{attempt} times")
             results = []
             for r in range(world_size):
                 status, data = json.loads(store.get(f"result/{r}"))
