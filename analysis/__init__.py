@@ -1,7 +1,7 @@
 """analysis: exact, symbolic memory of a training step and of inference.
 
 >>> import torch
->>> from analysis import analyze
+>>> from memsim.analysis import analyze
 >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 >>> r = analyze(model, {"input": ("float32", ["B", 16])}, device="cpu")
 >>> r.train.peak            # three regimes: backward of the ReLU, of the first Linear, the step
@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-import tracer
-from tracer import Trace, trace
+from memsim import tracer
+from memsim.tracer import Trace, trace
 
 from .memory import ModuleSaved, PeakPoint, StepMemory, module_savings, step_memory
 
-__all__ = ["analyze", "Report", "StepMemory", "ModuleSaved", "PeakPoint", "VERSION"]
+__all__ = ["analyze", "Report", "StepMemory", "ModuleSaved", "PeakPoint", "TRAIN_FIELDS"]
 
-VERSION = "0.1.0"
 TRAIN_FIELDS = ("peak", "activation_peak", "saved_activations", "parameters", "gradients",
                 "optimizer_states")
 
@@ -172,7 +171,7 @@ def analyze(model: torch.nn.Module, inputs: dict, *, device: str = "cuda",
         Owns the training loop in place of the plain one (DeepSpeed's engine, built by
         :mod:`strategies.zero`); the inference forward stays plain.
     """
-    from tracer import hf
+    from memsim.tracer import hf
 
     patches, auto_limits = hf.adapt(model, inputs)
     limits = {**auto_limits, **(limits or {})}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tracer import InputError
+from memsim.tracer import InputError
 
 from .gpus import GPU, MiB
 from .peak import exact_function

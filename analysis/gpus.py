@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from tracer import InputError, UsageError
+from memsim.tracer import InputError, UsageError
 
 MiB = 1024 ** 2
 GiB = 1024 ** 3

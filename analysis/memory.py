@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from tracer import MODEL_STATE, Category, OutOfRangeError, Phase, Trace, InputError
+from memsim.tracer import MODEL_STATE, Category, OutOfRangeError, Phase, Trace, InputError
 
 from .allocator import block_bytes
 from .peak import Candidate, PolyBasis, as_max, prune, regime_changes, running_peaks

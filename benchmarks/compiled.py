@@ -27,9 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import zoo  # noqa: E402
-from analysis import analyze  # noqa: E402
-from analysis.measure import example_inputs, materialize, measure_compiled_train  # noqa: E402
-from strategies.checkpoint import apply_checkpointing, checkpointed, named_plan  # noqa: E402
+from memsim.analysis import analyze  # noqa: E402
+from oracles.measure import example_inputs, materialize, measure_compiled_train  # noqa: E402
+from memsim.strategies.checkpoint import apply_checkpointing, checkpointed, named_plan  # noqa: E402
 
 
 def _lm(m):

@@ -70,7 +70,7 @@ def rss_mib() -> float:
 # -- memsim ---------------------------------------------------------------------------------------
 def run_memsim(layers: int, dp: int, seq: int) -> dict:
     sys.path.insert(0, ROOT)
-    from strategies import FSDP, analyze
+    from memsim.strategies import FSDP, analyze
 
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config(layers))

@@ -21,7 +21,7 @@ import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from analysis import analyze
+from memsim.analysis import analyze
 
 
 def config(layers: int) -> transformers.LlamaConfig:

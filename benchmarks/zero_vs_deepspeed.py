@@ -2,7 +2,7 @@
 
 For each configuration (model × stage × precision × overlap_comm), memsim traces DeepSpeed's
 engine on a fake process group (``strategies.analyze(..., zero=ZeRO(...), device="cpu")``) and
-``tests/dist_oracle.py`` runs the same DeepSpeed step for real on 2 gloo ranks (CPU accelerator,
+``tests/oracles/dist.py`` runs the same DeepSpeed step for real on 2 gloo ranks (CPU accelerator,
 two warm-up steps), counting live storages. Printed: each rank's predicted and measured peak,
 their ratio, and the time each side took. Run on demand (needs ``pip install deepspeed``):
 
@@ -24,9 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-import dist_oracle as O  # noqa: E402
-from strategies import ZeRO  # noqa: E402
-from strategies.api import analyze  # noqa: E402
+import oracles.dist as O  # noqa: E402
+from memsim.strategies import ZeRO  # noqa: E402
+from memsim.strategies.api import analyze  # noqa: E402
 
 BUCKETS = {"reduce_bucket_size": 10_000, "allgather_bucket_size": 10_000}
 STAGE3 = {"stage3_prefetch_bucket_size": 10_000, "stage3_param_persistence_threshold": 100}

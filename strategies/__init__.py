@@ -1,6 +1,6 @@
 """strategies: transforms of the model or of the memory plan, the CLI and the report.
 
->>> from strategies import FSDP, LoRA, TensorParallel, ZeRO, DDP
+>>> from memsim.strategies import FSDP, LoRA, TensorParallel, ZeRO, DDP
 >>> ZeRO(stage=3, dp=64).overlap
 True
 """

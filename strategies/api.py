@@ -1,7 +1,7 @@
 """One call for a model under a parallel setup: what each rank holds.
 
 >>> import torch
->>> from strategies import analyze, LoRA
+>>> from memsim.strategies import analyze, LoRA
 >>> # analyze(model, inputs, fsdp=FSDP(dp=8), lora=LoRA(r=16), checkpoint="blocks")
 
 Model-level strategies are applied to a copy of the model and traced (LoRA, activation
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-import analysis
-from tracer import StrategyError
+from memsim import analysis
+from memsim.tracer import StrategyError
 
 from .lora import LoRA, QLoRA, apply_lora, apply_qlora
 from .parallel import FSDP, TensorParallel, rank_classes, transform

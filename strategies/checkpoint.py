@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from tracer import InputError, Phase, UsageError
+from memsim.tracer import InputError, Phase, UsageError
 
 PLANS = ("none", "blocks", "selective", "every:K", "optimal")
 
@@ -162,7 +162,7 @@ class PlanResult:
 def evaluate_plan(model, inputs: dict, plan: list[str], *, base=None, **kw) -> PlanResult:
     """Trace the training step with ``plan`` applied; ``base`` (the plan-free report) gives
     the recompute FLOPs as the difference of the two step totals."""
-    from analysis import analyze
+    from memsim.analysis import analyze
 
     kw = {**kw, "inference": False}
     if base is None:
@@ -194,7 +194,7 @@ def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int, *, bas
     ``cache`` (keyed by block count, or by plan) lets several budgets and sizes share the traces
     of one model and inputs: every trace is symbolic, so it answers at any point.
     """
-    from analysis import analyze
+    from memsim.analysis import analyze
 
     kw = {**kw, "inference": False}
     if base is None:
@@ -356,7 +356,7 @@ def plans_over_range(model, inputs: dict, point: dict[str, int], name: str, lo: 
     """
     if lo > hi:
         raise InputError(f"range {name}={lo}:{hi} is empty", hint="give LO:HI with LO <= HI")
-    from analysis import analyze
+    from memsim.analysis import analyze
 
     cache = cache if cache is not None else {}
     kw = {**kw, "inference": False}
@@ -418,7 +418,7 @@ def budget_bytes(report, point: dict[str, int], *, capacity: int, margin: float 
                  gpu=None, overheads=None) -> int:
     """The largest tensor peak (allocated bytes) that fits ``capacity`` with the budget's margin
     and overhead terms (:mod:`analysis.budget`)."""
-    from analysis.budget import Overheads
+    from memsim.analysis.budget import Overheads
 
     ov = overheads or Overheads()
     fixed = sum(ov.fixed(report.device, gpu.family if gpu else "unknown").values())

@@ -31,9 +31,9 @@ import sys
 
 import torch
 
-from tracer import Category, StrategyError
-from tracer.recorder import real_meshes
-from tracer.step import Driver
+from memsim.tracer import Category, StrategyError
+from memsim.tracer.recorder import real_meshes
+from memsim.tracer.step import Driver
 
 __all__ = ["DeepSpeedDriver", "deepspeed_config"]
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tracer import StrategyError
+from memsim.tracer import StrategyError
 
 __all__ = ["LoRA", "QLoRA", "LoRALayer", "NF4Linear", "apply_lora", "apply_qlora",
            "lora_targets", "parse_lora"]
@@ -186,7 +186,7 @@ def apply_lora(model: torch.nn.Module, lora: LoRA) -> torch.nn.Module:
 def parse_lora(text: str, cls=None) -> LoRA:
     """``r=16,alpha=32,dropout=0.05,targets=q_proj+v_proj`` (``--lora`` on the command line);
     with ``cls=QLoRA`` (``--qlora``) also ``compute=bfloat16``."""
-    from tracer import UsageError
+    from memsim.tracer import UsageError
 
     cls = cls or LoRA
     flag = "--qlora" if cls is not LoRA else "--lora"

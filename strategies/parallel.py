@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tracer import StrategyError
+from memsim.tracer import StrategyError
 
 __all__ = ["FSDP", "TensorParallel", "transform", "process_group", "tp_plan", "PLAN_STYLES"]
 
@@ -317,7 +317,7 @@ def transform(fsdp: FSDP | None = None, tp: TensorParallel | None = None, rank: 
     dp_n, tp_n = fsdp.dp if fsdp else 1, tp.tp if tp else 1
 
     def apply(model: torch.nn.Module) -> None:
-        from tracer.recorder import real_meshes
+        from memsim.tracer.recorder import real_meshes
 
         dp_mesh, tp_mesh, _ = _mesh(dp_n, tp_n, rank)
         with real_meshes():

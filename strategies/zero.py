@@ -5,8 +5,7 @@ ZeRO is **traced**: :mod:`strategies.ds_engine` runs DeepSpeed's own engine
 process group, once per rank; every rank's peak equals a real DeepSpeed step on CPU
 (``tests/test_zero.py``), ZeRO-Offload included (there as the sum of device and host: on the
 CPU they are one memory). Modelling a GPU, what DeepSpeed places on the CPU is host memory
-(:func:`host_peak`). The ZeRO paper's model-state figures (:func:`paper_model_states`) and
-DeepSpeed's own estimators (:func:`deepspeed_estimate`) are reproduced for comparison.
+(:func:`host_peak`).
 
 DDP (``torch.nn.parallel.DistributedDataParallel``) allocates, at construction, flat buckets
 holding a copy of every trainable gradient (``gradient_as_bucket_view=False``, the default): one
@@ -24,12 +23,12 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from analysis import StepMemory
-from analysis.memory import Added, edited_candidates
-from analysis.peak import Candidate, as_max
-from tracer import Category, Phase, StrategyError
+from memsim.analysis import StepMemory
+from memsim.analysis.memory import Added, edited_candidates
+from memsim.analysis.peak import Candidate, as_max
+from memsim.tracer import Category, Phase, StrategyError
 
-__all__ = ["ZeRO", "DDP", "paper_model_states", "deepspeed_estimate", "load_deepspeed_config",
+__all__ = ["ZeRO", "DDP", "load_deepspeed_config",
            "host_peak", "ddp_rank", "RankMemory"]
 
 
@@ -83,52 +82,6 @@ class DDP:
     dp: int
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
-
-
-def paper_model_states(psi: float, n: int, stage: int, k: int = 12) -> float:
-    """Model-state bytes per device in the ZeRO paper (Rajbhandari et al. 2019, Fig. 1):
-    baseline (stage 0) (2 + 2 + K)Ψ, P_os 4Ψ + KΨ/N, P_os+g 2Ψ + (2 + K)Ψ/N, P_os+g+p
-    (2 + 2 + K)Ψ/N."""
-    if stage == 0:
-        return (4 + k) * psi
-    if stage == 1:
-        return 4 * psi + k * psi / n
-    if stage == 2:
-        return 2 * psi + (2 + k) * psi / n
-    if stage == 3:
-        return (4 + k) * psi / n
-    raise StrategyError(f"ZeRO stage {stage!r} must be 0..3")
-
-
-def deepspeed_estimate(stage: int, total_params: int, num_gpus_per_node: int = 1,
-                       num_nodes: int = 1, largest_layer_params: int = 0,
-                       cpu_offload: bool = False, cpu_offload_params: bool = False,
-                       zero_init: bool = True, additional_buffer_factor: float = 1.5
-                       ) -> tuple[float, float]:
-    """(GPU bytes, CPU bytes) per device, as DeepSpeed's ``estimate_zero2_model_states_mem_needs``
-    and ``estimate_zero3_model_states_mem_needs`` compute them (DeepSpeed 0.19.6). They count
-    every parameter as trainable (frozen ones included), no buckets, no activations."""
-    gpus = num_gpus_per_node * num_nodes
-    p = total_params
-    if stage in (1, 2):
-        if cpu_offload:
-            return 2 * p, p * max(4 * gpus, 16) * additional_buffer_factor
-        return 2 * p + 18 * p / gpus, 4 * p * num_gpus_per_node * additional_buffer_factor
-    if stage != 3:
-        raise StrategyError(f"DeepSpeed has estimators for stages 2 and 3, not {stage!r}")
-    ll = 4 * largest_layer_params
-    if cpu_offload and cpu_offload_params:
-        gpu, cpu = ll, 18 * p / num_nodes * additional_buffer_factor
-    elif cpu_offload:
-        gpu, cpu = ll + 2 * p / gpus, 16 * p / num_nodes * additional_buffer_factor
-    else:
-        gpu = ll + 18 * p / gpus
-        cpu = (largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
-               if zero_init else
-               p * 4 * max(num_gpus_per_node, 4) * additional_buffer_factor)
-    if not zero_init and (cpu_offload or cpu_offload_params):
-        cpu = max(cpu, p * 4 * num_gpus_per_node * additional_buffer_factor)
-    return gpu, cpu
 
 
 def load_deepspeed_config(path: str, dp: int) -> tuple[ZeRO | None, str | None]:
@@ -190,7 +143,7 @@ def host_peak(trace) -> sympy.Expr:
     """The peak of host memory over a traced step (storages the run placed on the host)."""
     from dataclasses import replace
 
-    from analysis.memory import peak_candidates
+    from memsim.analysis.memory import peak_candidates
     return as_max(peak_candidates(replace(trace, device="host")))
 
 

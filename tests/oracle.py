@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from analysis import analyze
-from analysis.measure import example_inputs, materialize, measure_inference, measure_train
+from memsim.analysis import analyze
+from oracles.measure import example_inputs, materialize, measure_inference, measure_train
 
 
 def predict(factory, inputs, **kw):

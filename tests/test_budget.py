@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import zoo
-from analysis.budget import Overheads, plan
-from analysis.gpus import gpu, load_catalog, parse_memory
-from analysis.measure import example_inputs, materialize, measure_train
+from memsim.analysis.budget import Overheads, plan
+from memsim.analysis.gpus import gpu, load_catalog, parse_memory
+from oracles.measure import example_inputs, materialize, measure_train
 from oracle import predict
-from strategies.cli import main
-from tracer import InputError, UsageError
+from memsim.cli import main
+from memsim.tracer import InputError, UsageError
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 
@@ -54,7 +54,7 @@ def test_limit_below_the_formula_range_uses_the_size_one_trace():
 def test_margin_headroom_and_overheads_on_cuda():
     with torch.device("meta"):
         m = zoo.Block()
-    from analysis import analyze
+    from memsim.analysis import analyze
     r = analyze(m, SEQ, device="cuda", inference=False)
     h100 = gpu("H100 80GB")
     b = plan(r, {"B": 4, "S": 64}, gpu=h100, overheads=Overheads(cuda_context=100 * 2 ** 20))

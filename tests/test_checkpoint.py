@@ -9,10 +9,10 @@ import torch
 
 import zoo
 from oracle import check, predict
-from strategies.checkpoint import (apply_checkpointing, blocks, named_plan, optimal_plan,
+from memsim.strategies.checkpoint import (apply_checkpointing, blocks, named_plan, optimal_plan,
                                    plans_over_range, ranking)
-from strategies.cli import main
-from tracer import InputError
+from memsim.cli import main
+from memsim.tracer import InputError
 
 GPT = {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])}
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oracle import check, predict
-from strategies.checkpoint import apply_checkpointing, blocks, named_plan, optimal_plan
+from memsim.strategies.checkpoint import apply_checkpointing, blocks, named_plan, optimal_plan
 
 IMG = {"x": ("float32", ["B", 3, "H", 8])}
 POINTS = [{"B": 2, "H": 8}, {"B": 3, "H": 12}]

@@ -4,7 +4,7 @@ import json
 
 import sympy
 
-from strategies.cli import main
+from memsim.cli import main
 
 ARGS = ["analyze", "examples/nanogpt_block.py:small", "--input", "x=float32[B,S,64]",
         "--device", "cpu"]

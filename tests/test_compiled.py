@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import zoo
-from analysis import analyze
-from analysis.measure import (example_inputs, materialize, measure_compiled_train,
+from memsim.analysis import analyze
+from oracles.measure import (example_inputs, materialize, measure_compiled_train,
                               measure_train)
-from strategies.cli import main
-from tracer import TraceError
+from memsim.cli import main
+from memsim.tracer import TraceError
 
 CASES = {
     "mlp": (zoo.MLP, {"x": ("float32", ["B", 16])}, dict(B=8)),
@@ -134,7 +134,7 @@ def test_checkpointed_blocks_under_compile(capsys):
     inside them replay their saved RNG state), so the saved bytes equal a real compiled run of
     the checkpointed model; the peak is over by the measured +6.5% (Inductor fuses the
     recomputation with the backward more tightly than the fusion model does)."""
-    from strategies.checkpoint import apply_checkpointing
+    from memsim.strategies.checkpoint import apply_checkpointing
 
     factory, inputs, pt = CASES["tiny_gpt"]
     assert main(["analyze", "tests.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",

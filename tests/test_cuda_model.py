@@ -4,7 +4,7 @@ import sympy
 import torch
 
 import zoo
-from analysis import analyze
+from memsim.analysis import analyze
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from analysis import analyze
-from strategies.cli import main
-from tracer import (DataDependentError, InputError, OutOfRangeError, UnsupportedOpError,
+from memsim.analysis import analyze
+from memsim.cli import main
+from memsim.tracer import (DataDependentError, InputError, OutOfRangeError, UnsupportedOpError,
                     UsageError, parse_assignments, parse_input)
 
 
@@ -124,7 +124,7 @@ def test_cli_usage_errors_exit_2(capsys):
 
 
 def test_input_fill_parses_and_unknown_fill_is_named():
-    from tracer import parse_input
+    from memsim.tracer import parse_input
     assert parse_input("attention_mask=int64[B,S]:ones").fill == "ones"
     assert parse_input("attention_mask=int64[B,S]").fill is None
     with pytest.raises(UsageError, match="unknown fill 'twos'"):

@@ -5,7 +5,7 @@ import sympy
 import torch
 
 import zoo
-from tracer import Category, trace
+from memsim.tracer import Category, trace
 
 
 def _trace():

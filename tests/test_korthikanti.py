@@ -81,11 +81,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from analysis.measure import example_inputs, materialize, measure_train
-from analysis.allocator import block_bytes
+from oracles.measure import example_inputs, materialize, measure_train
+from memsim.analysis.allocator import block_bytes
 from oracle import check, predict
-from strategies.checkpoint import apply_checkpointing
-from tracer import Category
+from memsim.strategies.checkpoint import apply_checkpointing
+from memsim.tracer import Category
 
 PREC = "bf16-true"
 H, A = 64, 4          # CPU runs (head size 16)
@@ -241,7 +241,7 @@ def report(device, core):
     h, a = (H, A) if device == "cpu" else (H_CUDA, A_CUDA)
     with torch.device("meta"):
         model = factory(h, a, core)()
-    from analysis import analyze
+    from memsim.analysis import analyze
     return analyze(model, inputs(h), device=device, inference=False, precision=PREC)
 
 

@@ -5,8 +5,8 @@ import torch
 
 import zoo
 from oracle import check, predict
-from strategies.lora import LoRA, apply_lora, lora_targets, parse_lora
-from tracer import StrategyError, UsageError
+from memsim.strategies.lora import LoRA, apply_lora, lora_targets, parse_lora
+from memsim.tracer import StrategyError, UsageError
 
 GPT = {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])}
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
@@ -82,7 +82,7 @@ def _bnb_qlora(model, q):
     bitsandbytes' QuantState; it is registered as buffers so the oracle counts it."""
     import bitsandbytes as bnb
 
-    from strategies.lora import LoRALayer, _head_names
+    from memsim.strategies.lora import LoRALayer, _head_names
     targets = set(lora_targets(model, q.targets))
     heads = _head_names(model)
     for p in model.parameters():
@@ -117,8 +117,8 @@ def _bnb_qlora(model, q):
 def test_qlora_matches_real_bitsandbytes_run(compute):
     pytest.importorskip("bitsandbytes")
     T = pytest.importorskip("transformers")
-    from analysis.measure import example_inputs, materialize, measure_train
-    from strategies.lora import QLoRA, apply_qlora
+    from oracles.measure import example_inputs, materialize, measure_train
+    from memsim.strategies.lora import QLoRA, apply_qlora
 
     def base():
         return T.LlamaForCausalLM(T.LlamaConfig(

@@ -7,8 +7,8 @@ import torch
 import zoo
 from conftest import grid
 from oracle import check, predict
-from analysis import analyze
-from tracer.optimizers import Lion, lookup, register_optimizer
+from memsim.analysis import analyze
+from memsim.tracer.optimizers import Lion, lookup, register_optimizer
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 

@@ -1,16 +1,16 @@
 """FSDP2 and tensor parallelism: the prediction (PyTorch's own fully_shard / parallelize_module
-traced on a fake process group) against real 2-rank gloo runs on CPU (tests/dist_oracle.py)."""
+traced on a fake process group) against real 2-rank gloo runs on CPU (tests/oracles/dist.py)."""
 
 import functools
 
 import pytest
 import torch
 
-import dist_oracle as O
-from strategies import FSDP, LoRA, TensorParallel
-from strategies.api import analyze
-from strategies.parallel import tp_plan
-from tracer import StrategyError
+import oracles.dist as O
+from memsim.strategies import FSDP, LoRA, TensorParallel
+from memsim.strategies.api import analyze
+from memsim.strategies.parallel import tp_plan
+from memsim.tracer import StrategyError
 
 pytest.importorskip("torch.distributed.fsdp")
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
@@ -91,7 +91,7 @@ def test_ddp_matches_real_gloo_run(name, view):
     gradient_as_bucket_view the gradients are views into them (counted at the start) and each
     gradient autograd makes is dropped at its accumulation (MLP 2,267,464, Llama 1,859,868 B
     against 2,783,300 and 1,923,992 with copies)."""
-    from strategies import DDP
+    from memsim.strategies import DDP
     factory, spec, inputs, pt = {
         "mlp": (O.mlp_model, MLP, functools.partial(O.mlp_inputs, batch=8), {"B": 8}),
         "llama": (O.llama_model, LM, functools.partial(O.llama_inputs, batch=2, seq=16),
@@ -236,14 +236,14 @@ def test_tp_plans_and_errors():
     with pytest.raises(StrategyError, match="does not divide 0.0's output size 256"):
         tp_plan(O.mlp_model(), TensorParallel(3, plan={"0.0": "colwise"}))
     with pytest.raises(StrategyError, match="fsdp and zero"):
-        from strategies import ZeRO
+        from memsim.strategies import ZeRO
         analyze(m, LM, fsdp=FSDP(2), zero=ZeRO(3, 2))
 
 
 def test_cli_strategy_json_and_usage_errors(capsys):
     import json
 
-    from strategies.cli import main
+    from memsim.cli import main
     target = "examples/nanogpt_block.py:small"
     args = ["analyze", target, "--input", "x=float32[B,S,64]", "--at", "B=2,S=8",
             "--device", "cpu", "--train"]
@@ -285,7 +285,7 @@ def _pytorch_simulation(mp, b, s):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from strategies.parallel import process_group
+    from memsim.strategies.parallel import process_group
     process_group(2)
     mesh = init_device_mesh("cpu", (2,))
     orig = adam_mod._get_value

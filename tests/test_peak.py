@@ -2,7 +2,7 @@
 
 import sympy
 
-from analysis.peak import Candidate, PolyBasis, as_max, prune, regime_changes, running_peaks
+from memsim.analysis.peak import Candidate, PolyBasis, as_max, prune, regime_changes, running_peaks
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
 

@@ -12,8 +12,8 @@ import torch
 import zoo
 from conftest import grid
 from oracle import check, predict
-from analysis import analyze
-from tracer import InputError
+from memsim.analysis import analyze
+from memsim.tracer import InputError
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 MODES = ["bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16-master"]

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO (DeepSpeed's own engine traced on a fake process group) against real 2- and
-4-rank DeepSpeed runs on CPU (tests/dist_oracle.py); the ZeRO paper's figures, DeepSpeed's
+4-rank DeepSpeed runs on CPU (tests/oracles/dist.py); the ZeRO paper's figures, DeepSpeed's
 estimators, config loading, the modelled ZeRO-Offload and DDP buckets."""
 
 import json
@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-import dist_oracle as O
-from strategies import DDP, LoRA, TensorParallel, ZeRO
-from strategies.api import analyze as strategy_analyze
-from strategies.lora import apply_lora
-from strategies.zero import deepspeed_estimate, load_deepspeed_config, paper_model_states
-from tracer import StrategyError
+import oracles.dist as O
+from memsim.strategies import DDP, LoRA, TensorParallel, ZeRO
+from memsim.strategies.api import analyze as strategy_analyze
+from memsim.strategies.lora import apply_lora
+from memsim.strategies.zero import load_deepspeed_config
+from oracles.papers import deepspeed_estimate, paper_model_states
+from memsim.tracer import StrategyError
 
 
 def test_zero_paper_figure_1():
@@ -46,7 +47,7 @@ X64 = {"input": ("float32", ["B", 64])}
 def _need_deepspeed():
     """Skip without deepspeed (the test extra installs it); imported as memsim imports it, its
     logger on stderr."""
-    from strategies.ds_engine import _import_deepspeed
+    from memsim.strategies.ds_engine import _import_deepspeed
     try:
         _import_deepspeed()
     except StrategyError as e:
@@ -184,7 +185,7 @@ def test_contradictions_name_the_setting():
 
 def test_cli_deepspeed_config_traces_the_engine(tmp_path, capsys):
     _need_deepspeed()
-    from strategies.cli import main
+    from memsim.cli import main
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
         "stage": 3, "reduce_bucket_size": 1e4, "allgather_bucket_size": 1e4,

@@ -1,7 +1,7 @@
 """tracer: run a module's training step (or inference) symbolically and record its memory.
 
 >>> import torch
->>> from tracer import trace
+>>> from memsim.tracer import trace
 >>> t = trace(torch.nn.Linear(8, 4), {"input": ("float32", ["B", 8])}, train=False, device="cpu")
 >>> sorted(map(str, t.symbols.values()))
 ['B']

@@ -20,7 +20,7 @@ driver evicts to the host under pressure: they are reported on the host, not in 
 
 Register your own in a few lines::
 
-    from tracer.optimizers import register_optimizer
+    from memsim.tracer.optimizers import register_optimizer
     register_optimizer("my-adam", state=lambda p: {"m": (p.shape, p.dtype),
                                                    "v": (p.shape, p.dtype)})
     register_optimizer("my-sgd", factory=lambda params: MySGD(params, lr=0.1))

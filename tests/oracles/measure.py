@@ -1,6 +1,6 @@
 """The oracle: run the same step for real on CPU and count live tensor storages.
 
-This is what memsim's predictions are tested against. It shares no code with the tracer: a real
+This is what memsim's predictions are tested against. It imports nothing of memsim: a real
 eager run, real tensors, and a dispatch mode that adds each new untyped storage an op returns and
 subtracts it when a ``weakref.finalize`` on the storage fires (the method of
 ``torch.distributed._tools.mem_tracker.MemTracker``, which the tests use as a cross-check).
@@ -90,21 +90,30 @@ def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def example_inputs(inputs: dict, point: dict[str, int], seed: int = 0) -> dict:
-    """Concrete tensors for ``{name: (dtype, shape)}`` at ``point``: ints are 0 (an attention
-    mask of zeros takes the padded path), floats random, ``fill="ones"`` ones."""
-    from tracer.spec import is_tensor_spec, make_spec
+def _spec(value) -> tuple[torch.dtype, list, str | None] | None:
+    """``(dtype, shape, fill)`` of a tensor input given as ``(dtype, shape[, fill])`` with
+    ``dtype`` a name such as ``"int64"``, or None for a constant passed to ``forward``."""
+    if not (isinstance(value, (tuple, list)) and len(value) in (2, 3)
+            and isinstance(value[1], (tuple, list))):
+        return None
+    dtype = value[0] if isinstance(value[0], torch.dtype) else \
+        getattr(torch, str(value[0]).removeprefix("torch."))
+    return dtype, list(value[1]), value[2] if len(value) == 3 else None
 
+
+def example_inputs(inputs: dict, point: dict[str, int], seed: int = 0) -> dict:
+    """Concrete tensors for ``{name: (dtype, shape[, fill])}`` at ``point``: ints are 0 (an
+    attention mask of zeros takes the padded path), floats random, ``fill="ones"`` ones."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, value in inputs.items():
-        if not is_tensor_spec(value):
+        spec = _spec(value)
+        if spec is None:
             out[name] = value
             continue
-        spec = make_spec(name, value)
-        dtype = spec.dtype
-        shape = [point[d] if isinstance(d, str) else d for d in spec.shape]
-        if spec.fill == "ones":
+        dtype, dims, fill = spec
+        shape = [point[d] if isinstance(d, str) else int(d) for d in dims]
+        if fill == "ones":
             out[name] = torch.ones(shape, dtype=dtype)
         elif dtype.is_floating_point:
             out[name] = torch.randn(shape, generator=g).to(dtype)
@@ -135,6 +144,34 @@ _MODES = {  # precision name -> (parameter dtype, autocast dtype, grad scaler, m
 }
 
 
+class MasterWeights(torch.optim.Optimizer):
+    """Mixed-precision training with fp32 master weights, written here from the layout of
+    DeepSpeed's BF16 optimizer and Megatron's distributed optimizer (not memsim's code): fp32
+    copies of the bf16 parameters and fp32 gradient buffers exist from construction on; a step
+    copies each gradient into its fp32 buffer, steps the masters with the inner optimizer and
+    copies them back into the bf16 parameters in place."""
+
+    def __init__(self, params, inner):
+        params = list(params)
+        super().__init__(params, {})
+        self.masters = [torch.nn.Parameter(p.detach().float(), requires_grad=False)
+                        for p in params]
+        self.main_grads = [torch.zeros_like(m) for m in self.masters]
+        self.inner = inner(self.masters)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p, m, g in zip(params, self.masters, self.main_grads):
+            if p.grad is not None:
+                g.copy_(p.grad)
+                m.grad = g
+        self.inner.step()
+        for p, m in zip(params, self.masters):
+            p.copy_(m)
+            m.grad = None
+
+
 def _cast_inputs(inputs: dict, dtype) -> dict:
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
             for k, v in inputs.items()}
@@ -147,11 +184,9 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
 
     ``precision`` as Lightning does it: ``*-true`` casts the model and floating inputs,
     ``*-mixed`` runs forward and loss under CPU autocast (fp16 with a GradScaler),
-    ``bf16-master`` steps fp32 master weights (``tracer.precision.MasterWeights``, the optimizer
-    under test). ``accumulate`` micro-batches (the same inputs) per optimizer step.
+    ``bf16-master`` steps fp32 master weights (:class:`MasterWeights`). ``accumulate``
+    micro-batches (the same inputs) per optimizer step.
     """
-    from tracer.precision import MasterWeights
-
     param_dtype, autocast, use_scaler, master = _MODES[precision]
     loss_fn = loss_fn or _loss
     if param_dtype != torch.float32:

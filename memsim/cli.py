@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from analysis import analyze
-from tracer import InputError, MemsimError, UsageError, parse_assignments, parse_input
+from memsim.analysis import analyze
+from memsim.tracer import InputError, MemsimError, UsageError, parse_assignments, parse_input
 
 from .render import budget_text, to_json, to_text
 
@@ -160,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _optimizer(name: str | None):
-    from tracer.optimizers import lookup
+    from memsim.tracer.optimizers import lookup
     if name is not None:
         lookup(name)  # an unknown name fails here, before the trace
     return name
@@ -171,9 +171,9 @@ def _strategy(args) -> dict:
     the trace)."""
     from dataclasses import replace
 
-    from .lora import QLoRA, parse_lora
-    from .parallel import FSDP, TensorParallel
-    from .zero import DDP, ZeRO, load_deepspeed_config
+    from memsim.strategies.lora import QLoRA, parse_lora
+    from memsim.strategies.parallel import FSDP, TensorParallel
+    from memsim.strategies.zero import DDP, ZeRO, load_deepspeed_config
 
     kw: dict = {}
     dp = args.dp
@@ -249,8 +249,8 @@ def _compiled_hints(specs, point, hints):
 def _budget_setup(args, point):
     """Check the budget options before the (slow) trace: ``(gpu, capacity, overheads)`` or
     None when no budget is asked for."""
-    from analysis.budget import Overheads
-    from analysis.gpus import gpu, load_catalog, parse_memory
+    from memsim.analysis.budget import Overheads
+    from memsim.analysis.gpus import gpu, load_catalog, parse_memory
 
     if args.gpu_file:
         load_catalog(args.gpu_file)
@@ -293,7 +293,7 @@ def run(argv: list[str] | None = None) -> int:
         hints = _compiled_hints(specs, point, hints)
     fit = args.cmd == "fit"
     model = load_target(args.target)
-    from .api import analyze as analyze_with
+    from memsim.strategies.api import analyze as analyze_with
     report = analyze_with(model, {s.name: s for s in specs}, **strategy, device=args.device,
                      train=not args.inference, inference=args.inference or not (
                          fit or getattr(args, "train", False)),
@@ -302,7 +302,7 @@ def run(argv: list[str] | None = None) -> int:
                      **({"compiled": True} if args.compiled else {}))
     budget = None
     if setup is not None:
-        from analysis.budget import plan
+        from memsim.analysis.budget import plan
         device, cap, overheads = setup
         budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
@@ -327,9 +327,9 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def _checkpoint(args) -> int:
-    from analysis.gpus import parse_memory
+    from memsim.analysis.gpus import parse_memory
 
-    from . import checkpoint as ck
+    from memsim.strategies import checkpoint as ck
     from .render import checkpoint_json, checkpoint_text
 
     if not args.input:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import sympy
 from tabulate import tabulate
 
-from analysis import TRAIN_FIELDS, VERSION, Report
+from memsim._version import __version__ as VERSION
+from memsim.analysis import TRAIN_FIELDS, Report
 
 LABELS = {
     "peak": "peak (everything live)",
@@ -155,14 +156,14 @@ def budget_text(b, device: str) -> str:
 
 def gpu_table() -> str:
     """The GPU catalog as a table."""
-    from analysis.gpus import catalog
+    from memsim.analysis.gpus import catalog
     rows = [[g.key, g.name, f"{g.mib:,}", f"{g.bytes / 2 ** 30:.2f}", f"{g.bytes / 1e9:.2f}",
              g.family, g.source] for g in catalog().values()]
     return tabulate(rows, headers=["key", "name", "MiB", "GiB", "GB", "family", "capacity source"])
 
 
 def _sweep_text(report, point, b, batch, seq) -> list[str]:
-    from analysis.budget import sweep
+    from memsim.analysis.budget import sweep
     if seq not in report.symbols:
         return []
     batches, seqs, rows = sweep(report, point, gpu=b.gpu, capacity=b.capacity, batch=batch,
@@ -383,7 +384,7 @@ def checkpoint_text(base: Report, result, ranking, point, budget, plan: str, top
             p = _val(t, t.peak, point)
             out.append(f"budget {human(budget)}: " + ("fits" if p <= budget else "does not fit"))
     if names:
-        out += ["", "Apply it:", "    from strategies.checkpoint import apply_checkpointing",
+        out += ["", "Apply it:", "    from memsim.strategies.checkpoint import apply_checkpointing",
                 f"    apply_checkpointing(model, {names!r})"]
     return "\n".join(out)
 

@@ -1,0 +1,35 @@
+"""memsim: how much memory one training step of a PyTorch model takes on each device, why, and
+how to make it fit, before a tensor touches a GPU.
+
+The front door. The engine is in three packages, data flowing one way:
+:mod:`memsim.tracer` (module -> symbolic run -> records and graphs), :mod:`memsim.analysis`
+(lifetimes, peaks, formulas, budget) and :mod:`memsim.strategies` (transforms of the model, the
+loop or the memory plan); this package adds the public API below, the command line
+(:mod:`memsim.cli`) and the rendering (:mod:`memsim.render`), the only code that prints.
+
+>>> import torch, memsim
+>>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+>>> report = memsim.analyze(model, {"input": ("float32", ["B", 16])}, device="cpu")
+>>> report.at(B=4)["train"]["peak"]
+15252
+"""
+
+import os as _os
+
+# A source checkout run without installing: memsim.tracer, .analysis and .strategies are the
+# top-level folders beside this one (installed, setuptools' package-dir maps them the same way).
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_ROOT, "tracer", "__init__.py")) and _ROOT not in __path__:
+    __path__.append(_ROOT)
+
+from memsim._version import __version__  # noqa: E402
+from memsim.analysis import Report, StepMemory  # noqa: E402
+from memsim.strategies import DDP, FSDP, LoRA, QLoRA, TensorParallel, ZeRO, analyze  # noqa: E402
+from memsim.tracer import (  # noqa: E402
+    Category, DataDependentError, InputError, MemsimError, OutOfRangeError, SpecializationError,
+    StrategyError, TraceError, UnsupportedOpError, UsageError, trace)
+
+__all__ = ["__version__", "analyze", "trace", "Report", "StepMemory", "Category", "LoRA",
+           "QLoRA", "FSDP", "TensorParallel", "ZeRO", "DDP", "MemsimError", "InputError",
+           "UsageError", "TraceError", "UnsupportedOpError", "DataDependentError",
+           "SpecializationError", "OutOfRangeError", "StrategyError"]
