@@ -26,6 +26,7 @@ from memsim.tracer import InputError
 
 from .gpus import GPU, MiB
 from .peak import exact_function
+from .search import largest_true
 
 # CUDA context + loaded kernels with lazy module loading (the default since CUDA 12.2), per
 # family: estimates. Measured publicly: 287,047,680 B with lazy loading after one small tensor
@@ -108,8 +109,8 @@ class Budget:
         when the symbol is absent; 0 when not even size 1 fits.
     notes : list of str
     basis : str
-        ``"exact"`` when ``allocated`` comes from the trace alone; ``"modelled: ..."`` when a
-        modelled strategy (DeepSpeed ZeRO, DDP buckets) supplied part of it.
+        ``"exact"`` when ``allocated`` comes from the trace alone; ``"traced; ... modelled"``
+        when a strategy's edit (DDP buckets) models part of it (:attr:`Report.basis`).
     """
 
     step: str
@@ -126,7 +127,7 @@ class Budget:
     max_batch: int | None = None
     max_seq: int | None = None
     notes: list[str] = field(default_factory=list)
-    basis: str = "exact"  # how "allocated" was obtained: "exact" (traced) or "modelled: ..."
+    basis: str = "exact"  # how "allocated" was obtained (Report.basis)
 
 
 class _Model:
@@ -197,7 +198,8 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
     bd = model.step_of(sub).breakdown(pt)
     dominant = max(bd, key=bd.get) if any(bd.values()) else "-"
     b = Budget(step_name, gpu, capacity, margin, allocated, overhead, total, total <= usable,
-               (capacity - total) / capacity, dominant, bd, notes=notes)
+               (capacity - total) / capacity, dominant, bd, notes=notes,
+               basis=report.basis)
     b.max_batch = _solve(model, report, point, batch, usable, notes)
     b.max_seq = _solve(model, report, point, seq, usable, notes)
     return b
@@ -228,22 +230,13 @@ def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: li
             v -= 1
         return v if v >= 1 else 0
     cap = hi if hi is not None else 2 ** 40
-    a = lo
-    b = min(max(2 * a, a + 1), cap)
-    while fits(b):
-        if b >= cap:
-            if hi is not None:
-                notes.append(f"{name}: every size up to the model's limit {hi} fits")
-                return hi
-            notes.append(f"{name}: the peak does not grow with {name} (fits up to 2**40)")
-            return None
-        a, b = b, min(2 * b, cap)
-    while b - a > 1:
-        mid = (a + b) // 2
-        if fits(mid):
-            a = mid
-        else:
-            b = mid
+    a = largest_true(fits, lo, cap)
+    if a is None:
+        if hi is not None:
+            notes.append(f"{name}: every size up to the model's limit {hi} fits")
+            return hi
+        notes.append(f"{name}: the peak does not grow with {name} (fits up to 2**40)")
+        return None
     assert fits(a) and not fits(a + 1)
     return a
 

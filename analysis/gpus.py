@@ -21,12 +21,12 @@ about 81,082 MiB of 81,559): the CUDA context term of the budget stands for that
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from dataclasses import dataclass
 
 from memsim.tracer import InputError, UsageError
+from memsim.tracer.errors import closest
 
 MiB = 1024 ** 2
 GiB = 1024 ** 3
@@ -70,10 +70,18 @@ _ALIASES: dict[str, str] = {}
 
 def register_gpu(key: str, name: str, mib: int, family: str, vendor: str = "nvidia",
                  source: str = "user", aliases: tuple[str, ...] = ()) -> GPU:
-    """Add (or replace) a catalog entry; returns it."""
+    """Add a catalog entry; returns it. A key or alias the catalog has already is an error
+    (registering the very same entry again, e.g. loading one file twice, is not)."""
     if not isinstance(mib, int) or mib <= 0:
         raise InputError(f"GPU {key!r}: capacity mib={mib!r} must be a positive int (MiB)")
     g = GPU(key.lower(), name, mib, family, vendor, source)
+    if _CATALOG.get(g.key) == g and all(_ALIASES.get(_norm(a)) == g.key for a in aliases):
+        return g
+    taken = [a for a in (key, *aliases) if _norm(a) in _ALIASES]
+    if taken:
+        raise InputError(f"GPU {taken[0]!r} is in the catalog already "
+                         f"({_CATALOG[_ALIASES[_norm(taken[0])]].name})",
+                         hint="give your entry another key (memsim gpus lists the catalog)")
     _CATALOG[g.key] = g
     for a in aliases:
         _ALIASES[_norm(a)] = g.key
@@ -96,7 +104,7 @@ def gpu(name: str) -> GPU:
     if key is not None:
         return _CATALOG[key]
     keys = sorted(_CATALOG)
-    close = difflib.get_close_matches(name.lower(), keys, n=len(keys), cutoff=0.0)
+    close = closest(name.lower(), keys, n=len(keys), cutoff=0.0)
     raise UsageError(f"unknown GPU {name!r}",
                      hint="known (closest first): " + ", ".join(close)
                           + "; or give --memory 24GiB, or add one with --gpu-file")

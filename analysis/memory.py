@@ -2,7 +2,7 @@
 
 All figures are sympy expressions in the user's symbols (bytes). Only storages on the modelled
 device count (e.g. AdamW's step counters stay on the CPU in a CUDA run), each at the size its
-allocator charges (:mod:`analysis.allocator`: 512-byte blocks on CUDA).
+allocator charges (:mod:`memsim.analysis.allocator`: 512-byte blocks on CUDA).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from memsim.tracer import MODEL_STATE, Category, OutOfRangeError, Phase, Trace, InputError
+from memsim.tracer import MODEL_STATE, Category, InputError, OutOfRangeError, Phase, Trace
 
 from .allocator import block_bytes
 from .peak import Candidate, PolyBasis, as_max, prune, regime_changes, running_peaks
@@ -90,7 +90,7 @@ class StepMemory:
         return {self.trace.symbols[n]: v for n, v in point.items()}
 
     def violated(self, point: dict[str, int]) -> list:
-        """The trace's conditions (:attr:`tracer.Trace.conditions`) false at ``point``."""
+        """The trace's conditions (:attr:`memsim.tracer.Trace.conditions`) false at ``point``."""
         subs = {self.trace.symbols[n]: v for n, v in point.items() if n in self.trace.symbols}
         return [c for c in self.trace.conditions if c.xreplace(subs) is not sympy.true]
 
@@ -120,20 +120,6 @@ class StepMemory:
         subs = self.check_point(point)
         lo, hi = self.ranges.get(sym, (2, None))
         return regime_changes(self.candidates, self.trace.symbols[sym], subs, lo, hi)
-
-
-def classify(trace: Trace) -> None:
-    """Label forward storages alive when backward starts as activations (in place)."""
-    run = trace.run
-    ends = run.phase_ends
-    if Phase.LOSS not in ends:
-        return
-    cut = ends[Phase.LOSS]
-    freed_before = {ev.sid for ev in run.events[:cut] if ev.sign < 0}
-    for s in run.storages:
-        if (s.phase in (Phase.FORWARD, Phase.LOSS) and s.category is Category.TEMPORARY
-                and s.sid not in freed_before):
-            s.category = Category.ACTIVATION
 
 
 def _label(trace: Trace):
@@ -230,7 +216,6 @@ def edited_candidates(trace: Trace, *, keep=None, frees: dict | None = None,
 
 def step_memory(trace: Trace) -> StepMemory:
     """Compute the figures of one traced run."""
-    classify(trace)
     run, dev = trace.run, trace.device
     basis = PolyBasis(list(trace.symbols.values()))
     on_dev = [s.device == dev for s in run.storages]

@@ -22,6 +22,8 @@ from typing import Callable, Iterable, Sequence
 
 import sympy
 
+from .search import last_true
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -266,13 +268,9 @@ def regime_changes(cands: Sequence[Candidate], sym: sympy.Symbol, at: dict,
     for v in samples[1:]:
         w = best(v)
         if w != out[-1][1]:
-            a, b = prev, v  # best(a) == out[-1][1], best(b) != it
-            while b - a > 1:
-                mid = (a + b) // 2
-                if best(mid) == out[-1][1]:
-                    a = mid
-                else:
-                    b = mid
+            # the last size where the previous winner still wins: at prev it does, at v not
+            won = out[-1][1]
+            b = last_true(lambda x: best(x) == won, prev, v) + 1
             out.append((b, best(b)))
             if out[-1][1] != w:
                 out.append((v, w))

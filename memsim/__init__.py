@@ -24,12 +24,15 @@ if _os.path.isfile(_os.path.join(_ROOT, "tracer", "__init__.py")) and _ROOT not 
 
 from memsim._version import __version__  # noqa: E402
 from memsim.analysis import Report, StepMemory  # noqa: E402
-from memsim.strategies import DDP, FSDP, LoRA, QLoRA, TensorParallel, ZeRO, analyze  # noqa: E402
+from memsim.strategies import (  # noqa: E402
+    DDP, FSDP, Checkpoint, LoRA, QLoRA, Strategy, StrategyReport, TensorParallel, ZeRO, analyze)
 from memsim.tracer import (  # noqa: E402
-    Category, DataDependentError, InputError, MemsimError, OutOfRangeError, SpecializationError,
-    StrategyError, TraceError, UnsupportedOpError, UsageError, trace)
+    Category, DataDependentError, Device, InputError, Loop, MemsimError, OutOfRangeError,
+    Precision, SpecializationError, StepConfig, StrategyError, TraceError, UnsupportedOpError,
+    UsageError, trace)
 
-__all__ = ["__version__", "analyze", "trace", "Report", "StepMemory", "Category", "LoRA",
-           "QLoRA", "FSDP", "TensorParallel", "ZeRO", "DDP", "MemsimError", "InputError",
+__all__ = ["__version__", "analyze", "trace", "StepConfig", "Device", "Precision", "Loop",
+           "Report", "StrategyReport", "StepMemory", "Category", "Strategy", "LoRA", "QLoRA",
+           "Checkpoint", "FSDP", "TensorParallel", "ZeRO", "DDP", "MemsimError", "InputError",
            "UsageError", "TraceError", "UnsupportedOpError", "DataDependentError",
            "SpecializationError", "OutOfRangeError", "StrategyError"]

@@ -19,7 +19,9 @@ import sys
 import torch
 
 from memsim.analysis import analyze
-from memsim.tracer import InputError, MemsimError, UsageError, parse_assignments, parse_input
+from memsim.tracer import (InputError, MemsimError, StepConfig, UsageError, parse_assignments,
+                           parse_input)
+from memsim.tracer.precision import Precision
 
 from .render import budget_text, to_json, to_text
 
@@ -159,21 +161,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _optimizer(name: str | None):
-    from memsim.tracer.optimizers import lookup
-    if name is not None:
-        lookup(name)  # an unknown name fails here, before the trace
-    return name
+def _config(args, hints=None) -> StepConfig:
+    """The step the options describe, validated once, before any trace."""
+    return StepConfig(device=args.device, precision=args.precision, optimizer=args.optimizer,
+                      accumulate=args.accumulate, compiled=args.compiled, hints=hints or {})
 
 
 def _strategy(args) -> dict:
-    """The strategy options as keyword arguments of :func:`strategies.analyze` (checked before
-    the trace)."""
+    """The strategy options as keyword arguments of :func:`memsim.strategies.analyze` (checked
+    before the trace). A DeepSpeed config's precision is set on ``args.precision``."""
     from dataclasses import replace
 
-    from memsim.strategies.lora import QLoRA, parse_lora
-    from memsim.strategies.parallel import FSDP, TensorParallel
-    from memsim.strategies.zero import DDP, ZeRO, load_deepspeed_config
+    from memsim.strategies import DDP, FSDP, QLoRA, TensorParallel, ZeRO
+    from memsim.strategies.lora import parse_lora
+    from memsim.strategies.zero import load_deepspeed_config
 
     kw: dict = {}
     dp = args.dp
@@ -192,12 +193,21 @@ def _strategy(args) -> dict:
         if z is not None:
             kw["zero"] = z
         if prec is not None:
-            if args.precision != "32-true" and args.precision != prec:
+            given = Precision.parse(args.precision)
+            if given is not Precision.TRUE32 and given is not prec:
                 raise UsageError(f"--precision {args.precision} contradicts {args.deepspeed} "
                                  f"({prec})")
             args.precision = prec
     if args.zero:
         kw["zero"] = replace(kw["zero"], stage=args.zero) if "zero" in kw else ZeRO(args.zero, dp)
+    if "zero" in kw and os.environ.get("MEMSIM_ZERO_RANKS"):
+        # ranks traced per ZeRO analysis (beyond it: 0, 1, N-2, N-1)
+        try:
+            n = int(os.environ["MEMSIM_ZERO_RANKS"])
+        except ValueError:
+            raise UsageError(f"MEMSIM_ZERO_RANKS={os.environ['MEMSIM_ZERO_RANKS']!r} is not an "
+                             "int", hint="the number of ranks ZeRO traces, e.g. 8") from None
+        kw["zero"] = replace(kw["zero"], traced_ranks=n)
     if args.offload:
         if "zero" not in kw:
             raise UsageError("--offload is a ZeRO option", hint="add --zero 2 or --zero 3")
@@ -291,25 +301,21 @@ def run(argv: list[str] | None = None) -> int:
                              "with --checkpoint)",
                              hint="analyse the strategy without --compiled, or --compiled alone")
         hints = _compiled_hints(specs, point, hints)
+    config = _config(args, hints)
     fit = args.cmd == "fit"
     model = load_target(args.target)
-    from memsim.strategies.api import analyze as analyze_with
-    report = analyze_with(model, {s.name: s for s in specs}, **strategy, device=args.device,
-                     train=not args.inference, inference=args.inference or not (
-                         fit or getattr(args, "train", False)),
-                     optimizer=_optimizer(args.optimizer), hints=hints,
-                     precision=args.precision, accumulate=args.accumulate,
-                     **({"compiled": True} if args.compiled else {}))
+    from memsim.strategies import analyze as analyze_with
+    report = analyze_with(model, {s.name: s for s in specs}, config, **strategy,
+                          train=not args.inference,
+                          inference=args.inference or not (fit or getattr(args, "train", False)))
     budget = None
     if setup is not None:
         from memsim.analysis.budget import plan
         device, cap, overheads = setup
         budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
-        if "ddp" in report.strategy:
-            budget.basis = "traced; DDP buckets modelled"
     if point is not None:
-        shown, spoint = report.for_point(point)
+        shown, spoint = report.for_point(point)   # traces a point the formulas do not cover
         shown.train and shown.train.check_point(spoint)
         shown.inference and shown.inference.check_point(spoint)
     else:
@@ -355,10 +361,9 @@ def _checkpoint(args) -> int:
         point = {**(point or {}), rng[0]: rng[2]}   # the plan shown fits the whole range
     if args.plan == "optimal" and point is None:
         raise UsageError("--plan optimal needs a point", hint="give --at B=...,S=...")
+    config = _config(args, hints)
     model = load_target(args.target)
-    kw = dict(device=args.device, optimizer=_optimizer(args.optimizer), hints=hints,
-              precision=args.precision, accumulate=args.accumulate)
-    base = analyze(model, specs, inference=False, **kw)
+    base = analyze(model, specs, config, inference=False)
     budget = parse_memory(args.budget) if args.budget else None
     if setup is not None:
         device, cap, overheads = setup
@@ -367,14 +372,15 @@ def _checkpoint(args) -> int:
     bands = None
     if rng is not None:
         name, lo, hi = rng
-        bands = ck.plans_over_range(model, specs, point, name, lo, hi, budget, base=base,
-                                    search=args.search, **kw)
+        bands = ck.plans_over_range(model, specs, point, name, lo, hi, budget, config,
+                                    base=base, search=args.search)
         result = bands[-1].result if bands and bands[-1].hi == hi else None
     elif args.plan == "optimal":
-        result = ck.optimal_plan(model, specs, point, budget, base=base, search=args.search,
-                                 **kw)
+        result = ck.optimal_plan(model, specs, point, budget, config, base=base,
+                                 search=args.search)
     else:
-        result = ck.evaluate_plan(model, specs, ck.named_plan(model, args.plan), base=base, **kw)
+        result = ck.evaluate_plan(model, specs, ck.named_plan(model, args.plan), config,
+                                  base=base)
     rank = ck.ranking(base)
     if args.json:
         doc = checkpoint_json(base, result, rank, point, budget)

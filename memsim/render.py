@@ -1,4 +1,4 @@
-"""Rendering of a :class:`analysis.Report`: tabulate tables and the stable JSON document.
+"""Rendering of a :class:`memsim.analysis.Report`: tabulate tables and the stable JSON document.
 
 This is the edge of the data flow: only here (and in the CLI) is anything formatted for people.
 """

@@ -37,13 +37,57 @@ import functools
 import inspect
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import sympy
 import torch
 
-from memsim.tracer import InputError, Phase, UsageError
+from memsim.analysis import analyze
+from memsim.analysis.search import last_true
+from memsim.tracer import InputError, Phase, StepConfig, UsageError
+from memsim.tracer.errors import closest
+from memsim.tracer.records import Word
+
+from .base import Strategy, register_strategy
 
 PLANS = ("none", "blocks", "selective", "every:K", "optimal")
+
+
+class Search(Word):
+    """What ``optimal`` may checkpoint: ``modules`` (a block or one of its children in each
+    block, two kinds per plan) or ``blocks`` (whole blocks only, fewer traces)."""
+
+    MODULES = "modules"
+    BLOCKS = "blocks"
+
+
+@register_strategy
+@dataclass(frozen=True)
+class Checkpoint(Strategy):
+    """Activation checkpointing: a named plan (``"blocks"``, ``"selective"``, ``"every:K"``,
+    ``"none"``) or module paths, applied with ``torch.utils.checkpoint`` inside the run."""
+
+    key: ClassVar[str] = "checkpoint"
+    plan: str | tuple[str, ...] = "blocks"
+
+    def __post_init__(self):
+        if isinstance(self.plan, list):
+            object.__setattr__(self, "plan", tuple(self.plan))
+        if isinstance(self.plan, str) and self.plan not in ("none", "blocks", "selective") \
+                and not re.fullmatch(r"every:\d+", self.plan):
+            raise UsageError(f"unknown plan {self.plan!r}", hint=f"use one of {', '.join(PLANS)}"
+                             " (optimal: memsim checkpoint), or module paths")
+
+    def describe(self):
+        return self.plan if isinstance(self.plan, str) else list(self.plan)
+
+    def apply(self, plan):
+        paths = named_plan(plan.model, self.plan) if isinstance(self.plan, str) else \
+            list(self.plan)
+        if not paths:
+            return plan
+        return plan.but(inside={"checkpoint": lambda model, rank: apply_checkpointing(
+            model, paths)})
 
 
 def blocks(model: torch.nn.Module) -> list[str]:
@@ -94,8 +138,7 @@ def apply_checkpointing(model: torch.nn.Module, plan: list[str]) -> torch.nn.Mod
     mods = dict(model.named_modules())
     for path in plan:
         if path not in mods:
-            import difflib
-            close = difflib.get_close_matches(path, list(mods), n=3)
+            close = closest(path, list(mods), n=3)
             raise InputError(f"plan names module {path!r}, which the model does not have",
                              hint="close: " + ", ".join(close) if close else None)
         mod = mods[path]
@@ -159,27 +202,25 @@ class PlanResult:
     recompute_flops: sympy.Expr
 
 
-def evaluate_plan(model, inputs: dict, plan: list[str], *, base=None, **kw) -> PlanResult:
+def evaluate_plan(model, inputs: dict, plan: list[str], config: StepConfig | None = None, *,
+                  base=None, **options) -> PlanResult:
     """Trace the training step with ``plan`` applied; ``base`` (the plan-free report) gives
-    the recompute FLOPs as the difference of the two step totals."""
-    from memsim.analysis import analyze
-
-    kw = {**kw, "inference": False}
+    the recompute FLOPs as the difference of the two step totals. ``options``: fields of
+    :class:`~memsim.tracer.StepConfig` over ``config``."""
+    config = StepConfig.of(config, **options)
     if base is None:
-        base = analyze(model, inputs, **kw)
+        base = analyze(model, inputs, config, inference=False)
     if not plan:
         return PlanResult([], base, step_flops(base.train), sympy.Integer(0))
     with checkpointed(model, plan):
-        rep = analyze(model, inputs, **kw)
+        rep = analyze(model, inputs, config, inference=False)
     total = step_flops(rep.train)
     return PlanResult(list(plan), rep, total, sympy.expand(total - step_flops(base.train)))
 
 
-SEARCHES = ("modules", "blocks")
-
-
-def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int, *, base=None,
-                 cache: dict | None = None, search: str = "modules", **kw) -> PlanResult | None:
+def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int,
+                 config: StepConfig | None = None, *, base=None, cache: dict | None = None,
+                 search: Search | str = Search.MODULES, **options) -> PlanResult | None:
     """The plan with the least recompute whose step peak fits ``budget`` bytes at ``point``;
     None when no plan searched fits.
 
@@ -193,43 +234,39 @@ def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int, *, bas
 
     ``cache`` (keyed by block count, or by plan) lets several budgets and sizes share the traces
     of one model and inputs: every trace is symbolic, so it answers at any point.
+    ``options``: fields of :class:`~memsim.tracer.StepConfig` over ``config``.
     """
-    from memsim.analysis import analyze
-
-    kw = {**kw, "inference": False}
+    config = StepConfig.of(config, **options)
+    try:
+        search = Search(search)
+    except ValueError:
+        raise UsageError(f"unknown search {search!r}",
+                         hint=f"use one of {', '.join(s.value for s in Search)}") from None
     if base is None:
-        base = analyze(model, inputs, **kw)
+        base = analyze(model, inputs, config, inference=False)
     found = blocks(model)
     if not found:
         raise InputError("plan 'optimal': the model has no repeated blocks")
-    if search == "modules":
-        return mixed_plan(model, inputs, point, budget, base=base, cache=cache, **kw)
-    if search != "blocks":
-        raise UsageError(f"unknown search {search!r}", hint=f"use one of {', '.join(SEARCHES)}")
+    if search is Search.MODULES:
+        return mixed_plan(model, inputs, point, budget, config, base=base, cache=cache)
 
     def peak(res: PlanResult) -> int:
         return res.report.at(**point)["train"]["peak"]
 
     results: dict[int, PlanResult] = cache if cache is not None else {}
-    results.setdefault(0, evaluate_plan(model, inputs, [], base=base, **kw))
+    results.setdefault(0, evaluate_plan(model, inputs, [], config, base=base))
     if peak(results[0]) <= budget:
         return results[0]
 
     def run(k: int) -> PlanResult:
         if k not in results:
-            results[k] = evaluate_plan(model, inputs, found[:k], base=base, **kw)
+            results[k] = evaluate_plan(model, inputs, found[:k], config, base=base)
         return results[k]
 
     if peak(run(len(found))) > budget:
         return None
-    lo, hi = 0, len(found)  # lo does not fit, hi fits
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if peak(run(mid)) <= budget:
-            hi = mid
-        else:
-            lo = mid
-    return run(hi)
+    # the fewest blocks that fit: 0 does not, all of them do
+    return run(last_true(lambda k: peak(run(k)) > budget, 0, len(found)) + 1)
 
 
 def block_options(model, base, point: dict[str, int]) -> list[tuple[str, ...]]:
@@ -245,8 +282,9 @@ def block_options(model, base, point: dict[str, int]) -> list[tuple[str, ...]]:
                       if saved.get(f"{found[0]}.{name}", 0) > 0]
 
 
-def mixed_plan(model, inputs: dict, point: dict[str, int], budget: int, *, base,
-               cache: dict | None = None, **kw) -> PlanResult | None:
+def mixed_plan(model, inputs: dict, point: dict[str, int], budget: int,
+               config: StepConfig | None = None, *, base, cache: dict | None = None
+               ) -> PlanResult | None:
     """The least-recompute plan of the form "option H in the first k blocks, option L in the
     others", over every pair of options of :func:`block_options` (and nothing), whose peak at
     ``point`` fits ``budget``.
@@ -275,7 +313,7 @@ def mixed_plan(model, inputs: dict, point: dict[str, int], budget: int, *, base,
     def run(plan: list[str]) -> PlanResult:
         key = ("plan", tuple(plan))
         if key not in results:
-            results[key] = evaluate_plan(model, inputs, plan, base=base, **kw)
+            results[key] = evaluate_plan(model, inputs, plan, config, base=base)
         return results[key]
 
     def peak(res: PlanResult) -> int:
@@ -316,14 +354,9 @@ def mixed_plan(model, inputs: dict, point: dict[str, int], budget: int, *, base,
                 kmax = min(n, -(-(b - n * fl) // (fh - fl)) - 1)
                 if kmax < 1 or peak(run(plan_of(heavy, light, kmax))) > budget:
                     continue
-            lo, hi = 0, kmax   # lo does not fit, hi fits
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if peak(run(plan_of(heavy, light, mid))) <= budget:
-                    hi = mid
-                else:
-                    lo = mid
-            res = run(plan_of(heavy, light, hi))
+            # the smallest k that fits: 0 does not, kmax does
+            k = last_true(lambda k: peak(run(plan_of(heavy, light, k))) > budget, 0, kmax) + 1
+            res = run(plan_of(heavy, light, k))
             if best is None or score(res) < score(best):
                 best = res
     return best
@@ -341,13 +374,14 @@ class Band:
 
 
 def plans_over_range(model, inputs: dict, point: dict[str, int], name: str, lo: int, hi: int,
-                     budget: int, *, base=None, cache: dict | None = None,
-                     search: str = "modules", **kw) -> list[Band]:
+                     budget: int, config: StepConfig | None = None, *, base=None,
+                     cache: dict | None = None, search: Search | str = Search.MODULES,
+                     **options) -> list[Band]:
     """The optimal plan (:func:`optimal_plan`, with ``search``) for every size of symbol
     ``name`` in ``lo..hi``, the other symbols at ``point``: bands of sizes, each with one plan.
 
     From the smallest size up: the optimal plan there, then the largest size its (symbolic)
-    peak fits by bisection, as :mod:`analysis.budget` finds the largest batch; that plan is the
+    peak fits by bisection, as :mod:`memsim.analysis.budget` finds the largest batch; that plan is the
     optimum over the whole band, since a cheaper plan that fitted a larger size would fit the
     smaller one too. This assumes the peak grows with the size (true of every model seen; a
     model whose peak shrinks as the size grows would be mis-banded). Traces are shared through
@@ -356,12 +390,10 @@ def plans_over_range(model, inputs: dict, point: dict[str, int], name: str, lo: 
     """
     if lo > hi:
         raise InputError(f"range {name}={lo}:{hi} is empty", hint="give LO:HI with LO <= HI")
-    from memsim.analysis import analyze
-
+    config = StepConfig.of(config, **options)
     cache = cache if cache is not None else {}
-    kw = {**kw, "inference": False}
     if base is None:
-        base = analyze(model, inputs, **kw)
+        base = analyze(model, inputs, config, inference=False)
 
     def fits(res: PlanResult, v: int) -> bool:
         return res.report.at(**{**point, name: v})["train"]["peak"] <= budget
@@ -370,17 +402,12 @@ def plans_over_range(model, inputs: dict, point: dict[str, int], name: str, lo: 
     bands: list[Band] = []
     v = lo
     while v <= hi:
-        res = optimal_plan(model, inputs, {**point, name: v}, budget, base=base, cache=cache,
-                           search=search, **kw)
+        res = optimal_plan(model, inputs, {**point, name: v}, budget, config, base=base,
+                           cache=cache, search=search)
         if res is None:
             break
-        a, b = v, hi + 1        # fits at a; b does not (or is past the range)
-        if fits(res, hi):
-            a = hi
-        else:
-            while b - a > 1:
-                mid = (a + b) // 2
-                a, b = (mid, b) if fits(res, mid) else (a, mid)
+        # the largest size the plan fits: v does, hi + 1 is past the range
+        a = hi if fits(res, hi) else last_true(lambda x: fits(res, x), v, hi + 1)
         touched = {p for p in found if any(q == p or q.startswith(p + ".") for q in res.plan)}
         bands.append(Band(len(touched), list(res.plan), v, a, res))
         v = a + 1
@@ -417,7 +444,7 @@ def ranking(report) -> list[Ranked]:
 def budget_bytes(report, point: dict[str, int], *, capacity: int, margin: float = 0.10,
                  gpu=None, overheads=None) -> int:
     """The largest tensor peak (allocated bytes) that fits ``capacity`` with the budget's margin
-    and overhead terms (:mod:`analysis.budget`)."""
+    and overhead terms (:mod:`memsim.analysis.budget`)."""
     from memsim.analysis.budget import Overheads
 
     ov = overheads or Overheads()

@@ -1,4 +1,4 @@
-"""DeepSpeed's own ZeRO engine, run inside the symbolic step (a :class:`tracer.step.Driver`).
+"""DeepSpeed's own ZeRO engine, run inside the symbolic step (a :class:`memsim.tracer.Driver`).
 
 ``deepspeed.initialize`` builds the engine around the fake model on a fake process group, as
 one rank of ``dp``; the step is the loop DeepSpeed users write::
@@ -14,9 +14,9 @@ partitions) is a storage of the trace with its real lifetime. DeepSpeed runs wit
 accelerator (its code paths for streams and events are no-ops there); on CUDA it allocates the
 same tensors. Modelling a GPU, the accelerator computes on the fake device ``cpu:1``, so that
 what DeepSpeed places on ``cpu`` (ZeRO-Offload's partitions and buffers) is host memory
-(:attr:`tracer.step.Driver.host_device`). What a fake tensor has no value for is answered as a
+(:attr:`memsim.tracer.Driver.host_device`). What a fake tensor has no value for is answered as a
 healthy step would: no overflow, equal lists on every rank (``scalar``). The client optimizer
-is the one memsim is given (``zero_allow_untested_optimizer``); :func:`strategies.analyze`
+is the one memsim is given (``zero_allow_untested_optimizer``); :func:`memsim.strategies.analyze`
 gives torch's fused AdamW on CUDA in place of DeepSpeed's FusedAdam, torch's AdamW on the CPU.
 
 deepspeed is an optional dependency (``pip install deepspeed``), imported when used.
@@ -31,16 +31,16 @@ import sys
 
 import torch
 
-from memsim.tracer import Category, StrategyError
-from memsim.tracer.recorder import real_meshes
-from memsim.tracer.step import Driver
+from memsim.tracer import Category, Driver, Precision, StrategyError
+from memsim.tracer.recorder import outside_fake, real_meshes
+from memsim.tracer.sources import calling_frame
 
 __all__ = ["DeepSpeedDriver", "deepspeed_config"]
 
 
-def deepspeed_config(zero, precision: str | None, tp: int = 1) -> dict:
-    """The DeepSpeed config for :class:`strategies.zero.ZeRO` settings at a memsim precision,
-    with DeepSpeed's AutoTP over ``tp`` ranks when ``tp > 1``."""
+def deepspeed_config(zero, precision: Precision | str | None, tp: int = 1) -> dict:
+    """The DeepSpeed config for :class:`~memsim.strategies.zero.ZeRO` settings at a memsim
+    precision, with DeepSpeed's AutoTP over ``tp`` ranks when ``tp > 1``."""
     z = {"stage": zero.stage, "reduce_bucket_size": zero.reduce_bucket_size,
          "allgather_bucket_size": zero.allgather_bucket_size,
          "overlap_comm": zero.overlap, "contiguous_gradients": zero.contiguous_gradients,
@@ -61,14 +61,14 @@ def deepspeed_config(zero, precision: str | None, tp: int = 1) -> dict:
             cfg["zero_force_ds_cpu_optimizer"] = False
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
-    prec = precision or "32-true"
-    if prec in ("bf16-master", "bf16-true"):
+    prec = Precision.parse(precision)
+    if prec in (Precision.BF16_MASTER, Precision.BF16_TRUE):
         cfg["bf16"] = {"enabled": True}
-    elif prec in ("16-master", "16-true"):
+    elif prec is Precision.FP16_TRUE:
         cfg["fp16"] = {"enabled": True}
-    elif prec != "32-true":
+    elif prec is not Precision.TRUE32:
         raise StrategyError(
-            f"precision {prec!r} under DeepSpeed ZeRO: DeepSpeed trains fp32 weights, or bf16 / "
+            f"precision {prec.value!r} under DeepSpeed ZeRO: DeepSpeed trains fp32 weights, or bf16 / "
             "fp16 weights with fp32 master partitions in its optimizer",
             hint="use precision '32-true', 'bf16-master' (DeepSpeed's bf16) or '16-true' "
                  "(its fp16)")
@@ -243,15 +243,9 @@ class DeepSpeedDriver(Driver):
         self.engine.step()
 
     def scalar(self, t):
-        f = sys._getframe(1)
-        while f is not None:
-            name = f.f_code.co_filename
-            if "/deepspeed/" in name:
-                if any(k in f.f_code.co_name for k in _ZERO_READS):
-                    return False if t.dtype == torch.bool else (0.0 if t.is_floating_point()
-                                                                 else 0)
-                return None
-            f = f.f_back
+        f = calling_frame(lambda name: "/deepspeed/" in name)
+        if f is not None and any(k in f.f_code.co_name for k in _ZERO_READS):
+            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
         return None
 
     def label(self, recorder):
@@ -284,13 +278,7 @@ class DeepSpeedDriver(Driver):
 
 def _real_mesh(backend):
     """AutoTP's device mesh, built outside the fake mode (its rank table is real integers)."""
-    orig = backend.init_device_mesh
-
-    def init_device_mesh(self, *args, **kwargs):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        with unset_fake_temporarily():
-            return orig(self, *args, **kwargs)
-    return init_device_mesh
+    return outside_fake(backend.init_device_mesh)
 
 
 def _tensors(x) -> list:

@@ -34,17 +34,21 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from memsim.tracer import StrategyError
+from memsim.tracer import StrategyError, UsageError
+
+from .base import Strategy, register_strategy
 
 __all__ = ["LoRA", "QLoRA", "LoRALayer", "NF4Linear", "apply_lora", "apply_qlora",
            "lora_targets", "parse_lora"]
 
 
+@register_strategy
 @dataclass(frozen=True)
-class LoRA:
+class LoRA(Strategy):
     """LoRA settings (peft's ``LoraConfig`` names).
 
     r : int
@@ -57,6 +61,7 @@ class LoRA:
         ``"attention"`` (default), ``"all-linear"``, or module-name patterns.
     """
 
+    key: ClassVar[str] = "lora"
     r: int = 8
     alpha: float | None = None
     dropout: float = 0.0
@@ -74,6 +79,10 @@ class LoRA:
     @property
     def scaling(self) -> float:
         return (self.alpha if self.alpha is not None else 2 * self.r) / self.r
+
+    def apply(self, plan):
+        """Adapters on a copy of the model before tracing (frozen base, trainable adapters)."""
+        return plan.but(model=apply_lora(plan.model, self))
 
 
 def _in_out(mod: torch.nn.Module) -> tuple[int, int] | None:
@@ -186,8 +195,6 @@ def apply_lora(model: torch.nn.Module, lora: LoRA) -> torch.nn.Module:
 def parse_lora(text: str, cls=None) -> LoRA:
     """``r=16,alpha=32,dropout=0.05,targets=q_proj+v_proj`` (``--lora`` on the command line);
     with ``cls=QLoRA`` (``--qlora``) also ``compute=bfloat16``."""
-    from memsim.tracer import UsageError
-
     cls = cls or LoRA
     flag = "--qlora" if cls is not LoRA else "--lora"
     kw: dict = {}
@@ -230,6 +237,10 @@ class QLoRA(LoRA):
     compute_dtype: str = "bfloat16"
     blocksize: int = 64
     double_quant: bool = True
+
+    def apply(self, plan):
+        """The base in NF4, adapters on the targets, on a copy of the model before tracing."""
+        return plan.but(model=apply_qlora(plan.model, self))
 
 
 class NF4Linear(torch.nn.Module):

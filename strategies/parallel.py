@@ -22,45 +22,35 @@ import fnmatch
 import functools
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from memsim.tracer import StrategyError
+from memsim.tracer.records import Word
 
-__all__ = ["FSDP", "TensorParallel", "transform", "process_group", "tp_plan", "PLAN_STYLES"]
+from .base import Ranks, Strategy, exclusive, register_strategy
 
-PLAN_STYLES = ("colwise", "rowwise", "sequence")  # the plan's words; sp_plan adds two more
+__all__ = ["FSDP", "TensorParallel", "Style", "transform", "process_group", "tp_plan"]
 
 
+class Style(Word):
+    """How a tensor-parallel plan shards a module: the plan's words (``colwise``,
+    ``rowwise``, ``sequence``), and those :func:`sp_plan` adds (``gather``, ``head``)."""
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    SEQUENCE = "sequence"
+    GATHER = "gather"
+    HEAD = "head"
+
+
+PLAN_STYLES = (Style.COLWISE, Style.ROWWISE, Style.SEQUENCE)  # what a user's plan may say
+
+
+@register_strategy
 @dataclass(frozen=True)
-class FSDP:
-    """FSDP2 (``fully_shard``) over ``dp`` ranks.
-
-    reshard_after_forward : bool
-        True frees each unit's unsharded parameters after its forward and gathers them again in
-        backward (ZeRO-3-like); False keeps them to the end of backward (ZeRO-2-like).
-    units : "blocks" or tuple of str
-        The modules wrapped with their own ``fully_shard`` (then the root): ``"blocks"`` (see
-        :func:`fsdp_units`) or module paths.
-    param_dtype, reduce_dtype : str, optional
-        ``MixedPrecisionPolicy``: e.g. ``"bfloat16"`` parameters for compute, fp32 reduction.
-    """
-
-    dp: int
-    reshard_after_forward: bool = True
-    units: str | tuple[str, ...] = "blocks"
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.dp, int) or self.dp < 1:
-            raise StrategyError(f"FSDP dp={self.dp!r} must be an int >= 1")
-        if isinstance(self.units, list):
-            object.__setattr__(self, "units", tuple(self.units))
-
-
-@dataclass(frozen=True)
-class TensorParallel:
+class TensorParallel(Strategy):
     """Tensor parallelism over ``tp`` ranks (``parallelize_module``).
 
     plan : "auto" or dict
@@ -75,6 +65,7 @@ class TensorParallel:
         Megatron's sequence-first layout).
     """
 
+    key: ClassVar[str] = "tp"
     tp: int
     plan: str | dict = "auto"
     sequence_parallel: bool = False
@@ -83,6 +74,86 @@ class TensorParallel:
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise StrategyError(f"TensorParallel tp={self.tp!r} must be an int >= 1")
+
+    def apply(self, plan):
+        if "zero" in plan.given:
+            return plan  # DeepSpeed's AutoTP shards the model inside its engine (ZeRO)
+        return sharded(plan, plan.given.get("fsdp"), self)
+
+
+@register_strategy
+@dataclass(frozen=True)
+class FSDP(Strategy):
+    """FSDP2 (``fully_shard``) over ``dp`` ranks.
+
+    reshard_after_forward : bool
+        True frees each unit's unsharded parameters after its forward and gathers them again in
+        backward (ZeRO-3-like); False keeps them to the end of backward (ZeRO-2-like).
+    units : "blocks" or tuple of str
+        The modules wrapped with their own ``fully_shard`` (then the root): ``"blocks"`` (see
+        :func:`fsdp_units`) or module paths.
+    param_dtype, reduce_dtype : str, optional
+        ``MixedPrecisionPolicy``: e.g. ``"bfloat16"`` parameters for compute, fp32 reduction.
+    """
+
+    key: ClassVar[str] = "fsdp"
+    dp: int
+    reshard_after_forward: bool = True
+    units: str | tuple[str, ...] = "blocks"
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise StrategyError(f"FSDP dp={self.dp!r} must be an int >= 1")
+        if isinstance(self.units, list):
+            object.__setattr__(self, "units", tuple(self.units))
+        for k in ("param_dtype", "reduce_dtype"):
+            _dtype(getattr(self, k))  # an unknown dtype fails here, before any trace
+
+    def validate(self, given, config) -> None:
+        exclusive(given, self.key, ("fsdp", "zero", "ddp"),
+                  "FSDP2 and ZeRO-3 are the same idea; DDP buckets do not exist under FSDP")
+
+    def apply(self, plan):
+        if self.reduce_dtype and self.reduce_dtype != self.param_dtype:
+            plan = plan.but(notes=(
+                "FSDP reduce_dtype != param_dtype: a real 2-rank gloo run held one more "
+                "layer-sized gradient buffer at the reduce-scatter than predicted (6.5% more at "
+                "the one point checked); PyTorch's own fake-process-group simulation gives "
+                "memsim's figure; NCCL on a GPU not measured",))
+        if "tp" in plan.given:
+            return plan  # TensorParallel shards both (a 2-D mesh)
+        return sharded(plan, self, None)
+
+
+def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):
+    """``plan`` with TP then FSDP2 applied inside the run, per rank, and its rank groups."""
+    classes = tuple(rank_classes(plan.model, fsdp, tp))
+    world = (fsdp.dp if fsdp else 1) * (tp.tp if tp else 1)
+
+    def note(info):
+        if len(info.classes) == 1:
+            yield ("per-rank figures, traced with PyTorch's own FSDP2 / tensor-parallel code on "
+                   "a fake process group; every rank holds shards of the same sizes: ranks are "
+                   "equal")
+        else:
+            yield (f"ranks differ: uneven shards put {len(info.classes)} groups of ranks "
+                   f"({', '.join(ranks_text(c) for c in info.classes)}) at different sizes; "
+                   "each group is traced as its first rank, with PyTorch's own FSDP2 / "
+                   "tensor-parallel code on a fake process group; the figures shown are rank "
+                   "0's, which holds the largest shard of every parameter (torch.chunk sizes); "
+                   "\"ranks\" lists them all")
+
+    return plan.but(inside={"sharding": lambda model, rank: transform(fsdp, tp, rank)(model)},
+                    ranks=Ranks(world=world, classes=classes), notes=(note,))
+
+
+def ranks_text(ranks: tuple[int, ...]) -> str:
+    """``ranks 2-5`` / ``rank 0`` / ``ranks 0,3``."""
+    if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
 # -- the fake process group ---------------------------------------------------------------------
@@ -127,22 +198,23 @@ def _clear_sharding_caches() -> None:
 def _mesh(dp: int, tp: int, rank: int = 0):
     """``(dp mesh or None, tp mesh or None, root mesh)`` on the fake group at ``rank``, built
     once per process group (outside any fake mode: a mesh holds real host integers)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
+
+    from memsim.tracer.recorder import outside_fake
 
     process_group(dp * tp, rank)
     got = _WORLD["meshes"].get((dp, tp))
     if got is None:
-        with unset_fake_temporarily():
-            if tp == 1:
-                root = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
-                got = root, None, root
-            elif dp == 1:
-                root = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-                got = None, root, root
-            else:
-                root = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-                got = root["dp"], root["tp"], root
+        mesh = outside_fake(init_device_mesh)
+        if tp == 1:
+            root = mesh("cpu", (dp,), mesh_dim_names=("dp",))
+            got = root, None, root
+        elif dp == 1:
+            root = mesh("cpu", (tp,), mesh_dim_names=("tp",))
+            got = None, root, root
+        else:
+            root = mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+            got = outside_fake(lambda: (root["dp"], root["tp"], root))()
         _WORLD["meshes"][(dp, tp)] = got
     return got
 
@@ -165,10 +237,11 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, str] = {}
     for pat, style in plan.items():
-        style = style.removesuffix("_parallel")
-        if style not in PLAN_STYLES:
+        word = str(style).removesuffix("_parallel")
+        if word not in PLAN_STYLES:
             raise StrategyError(f"tensor-parallel plan {pat!r}: style {style!r} is not one of "
                                 f"{', '.join(PLAN_STYLES)}")
+        style = Style(word)
         rx = fnmatch.translate(pat).replace(".*", "[^.]*")
         hit = [n for n in names if re.fullmatch(rx, n)]
         if not hit:
@@ -199,7 +272,7 @@ def sp_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
     mods = dict(model.named_modules())
     names = {id(m): n for n, m in mods.items()}
     out = dict(plan)
-    regions = {n.rpartition(".")[0] for n, st in plan.items() if st == "rowwise"
+    regions = {n.rpartition(".")[0] for n, st in plan.items() if st is Style.ROWWISE
                and isinstance(mods[n], torch.nn.Linear)}
     inside = lambda n: any(n.startswith(r + ".") for r in regions)  # noqa: E731
     emb = getattr(model, "get_input_embeddings", lambda: None)()
@@ -209,17 +282,17 @@ def sp_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
                             "embedding found (get_input_embeddings)",
                             hint="it starts at a vocab-parallel embedding that splits the "
                                  "sequence; without one, analyse TensorParallel without --sp")
-    out.setdefault(names[id(emb)], "rowwise")
+    out.setdefault(names[id(emb)], Style.ROWWISE)
     if head is not None and id(head) in names:
         if head.weight is emb.weight:
             raise StrategyError("sequence parallelism with tied input and output embeddings "
                                 "is not supported", hint="untie them or analyse without --sp")
-        out[names[id(head)]] = "head"
+        out[names[id(head)]] = Style.HEAD
     for r in regions:
-        out[r] = "gather"
+        out[r] = Style.GATHER
     for n, m in mods.items():
         if n and _is_norm(m) and not inside(n):
-            out.setdefault(n, "sequence")
+            out.setdefault(n, Style.SEQUENCE)
     return out
 
 
@@ -237,17 +310,17 @@ def _check_divisible(model: torch.nn.Module, plan: dict[str, str], t: int) -> No
                                 hint=f"choose tp among the divisors of {n}")
     for name, style in plan.items():
         m = mods[name]
-        if style == "sequence":
+        if style is Style.SEQUENCE:
             continue
         if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             raise StrategyError(f"tensor-parallel plan: {name} is a {type(m).__name__}; "
                                 "colwise/rowwise shard nn.Linear and nn.Embedding only")
         if isinstance(m, torch.nn.Embedding):
             continue
-        size = m.weight.shape[0 if style == "colwise" else 1]  # a Linear weight is (out, in)
+        size = m.weight.shape[0 if style is Style.COLWISE else 1]  # a Linear weight is (out, in)
         if size % t:
             raise StrategyError(f"tensor-parallel degree {t} does not divide {name}'s "
-                                f"{'output' if style == 'colwise' else 'input'} size {size}",
+                                f"{'output' if style is Style.COLWISE else 'input'} size {size}",
                                 hint="uneven linear shards fail in PyTorch's own TP (local "
                                      "outputs of uneven shards); choose a divisor")
 
@@ -263,13 +336,13 @@ def _styles(model: torch.nn.Module, plan: dict[str, str], seq: int | None = None
     sp = {} if seq is None else {"output_layouts": Shard(seq), "use_local_output": False}
     out = {}
     for name, style in plan.items():
-        if style == "sequence":
+        if style is Style.SEQUENCE:
             out[name] = SequenceParallel(sequence_dim=1 if seq is None else seq)
-        elif style == "colwise":
+        elif style is Style.COLWISE:
             out[name] = ColwiseParallel()
-        elif style == "head":
+        elif style is Style.HEAD:
             out[name] = ColwiseParallel(input_layouts=Shard(seq), output_layouts=Replicate())
-        elif style == "gather":
+        elif style is Style.GATHER:
             out[name] = _gather_style()()
         elif isinstance(mods[name], torch.nn.Embedding):
             # vocab-parallel embedding: token ids are replicated, the table split by rows
@@ -310,7 +383,7 @@ def _gather_style():
 
 # -- the transform ------------------------------------------------------------------------------
 def transform(fsdp: FSDP | None = None, tp: TensorParallel | None = None, rank: int = 0):
-    """The ``transform(model)`` for :func:`analysis.analyze` that applies TP then FSDP2, as
+    """The ``transform(model)`` for :func:`memsim.analysis.analyze` that applies TP then FSDP2, as
     ``rank`` of the world sees it."""
     if fsdp is None and tp is None:
         return None
@@ -370,7 +443,7 @@ def rank_classes(model: torch.nn.Module, fsdp: FSDP | None = None,
 
 def fsdp_units(model: torch.nn.Module) -> list[str]:
     """The default FSDP units: modules of a Hugging Face model's ``_no_split_modules`` classes
-    (its decoder layers), else the repeated blocks (:func:`strategies.checkpoint.blocks`), else
+    (its decoder layers), else the repeated blocks (:func:`memsim.strategies.checkpoint.blocks`), else
     the children of a ``Sequential`` root."""
     from .checkpoint import blocks
 

@@ -1,42 +1,42 @@
-"""DeepSpeed ZeRO settings and published figures, and DDP gradient buckets, per rank.
+"""DeepSpeed ZeRO, traced with DeepSpeed's own engine, per rank.
 
-ZeRO is **traced**: :mod:`strategies.ds_engine` runs DeepSpeed's own engine
-(``deepspeed.initialize`` and its ``backward``/``step``) inside the symbolic step, on a fake
-process group, once per rank; every rank's peak equals a real DeepSpeed step on CPU
+:mod:`memsim.strategies.ds_engine` runs DeepSpeed's own engine (``deepspeed.initialize`` and its
+``backward``/``step``) inside the symbolic step, on a fake process group, once per rank it
+traces (a :class:`~memsim.tracer.Driver`); every rank's peak equals a real DeepSpeed step on CPU
 (``tests/test_zero.py``), ZeRO-Offload included (there as the sum of device and host: on the
 CPU they are one memory). Modelling a GPU, what DeepSpeed places on the CPU is host memory
-(:func:`host_peak`).
+(:func:`host_peak`). With tensor parallelism, DeepSpeed's AutoTP shards the model inside the
+same engine.
 
-DDP (``torch.nn.parallel.DistributedDataParallel``) allocates, at construction, flat buckets
-holding a copy of every trainable gradient (``gradient_as_bucket_view=False``, the default): one
-more gradient-sized block alive for the whole step (checked against real 2-rank gloo runs in
-``tests/test_parallel.py``). With ``gradient_as_bucket_view=True`` the gradients are views into
-the buckets: each gradient autograd produces is dropped as soon as DDP copies it in (checked
-against real gloo runs too).
+>>> ZeRO(stage=3, dp=64).overlap
+True
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import sympy
 import torch
 
-from memsim.analysis import StepMemory
-from memsim.analysis.memory import Added, edited_candidates
-from memsim.analysis.peak import Candidate, as_max
-from memsim.tracer import Category, Phase, StrategyError
+from memsim.analysis.peak import as_max
+from memsim.tracer import Precision, StrategyError
 
-__all__ = ["ZeRO", "DDP", "load_deepspeed_config",
-           "host_peak", "ddp_rank", "RankMemory"]
+from .base import Ranks, Strategy, exclusive, register_strategy
+
+__all__ = ["ZeRO", "load_deepspeed_config", "host_peak", "fused_adamw"]
 
 
+@register_strategy
 @dataclass(frozen=True)
-class ZeRO:
+class ZeRO(Strategy):
     """DeepSpeed ZeRO settings (the names of ``zero_optimization`` in ``ds_config.json``, with
-    DeepSpeed's defaults)."""
+    DeepSpeed's defaults), and ``traced_ranks``: every rank is traced up to that many ranks,
+    else ranks 0, 1, N-2 and N-1 (the padding of the flat groups falls on the last ranks)."""
 
+    key: ClassVar[str] = "zero"
     stage: int
     dp: int
     reduce_bucket_size: int = 500_000_000
@@ -50,6 +50,7 @@ class ZeRO:
     sub_group_size: int = 1_000_000_000
     offload_optimizer: str | None = None      # "cpu"
     offload_param: str | None = None          # "cpu" (stage 3)
+    traced_ranks: int = 4
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
@@ -66,6 +67,9 @@ class ZeRO:
                 raise StrategyError(f"ZeRO {k}={v!r}: only 'cpu' is traced",
                                     hint="NVMe offload (ZeRO-Infinity) is not modelled")
 
+        if not isinstance(self.traced_ranks, int) or self.traced_ranks < 1:
+            raise StrategyError(f"ZeRO traced_ranks={self.traced_ranks!r} must be an int >= 1")
+
     @property
     def offloaded(self) -> bool:
         return "cpu" in (self.offload_optimizer, self.offload_param)
@@ -75,16 +79,89 @@ class ZeRO:
         return self.stage == 3 if self.overlap_comm is None else bool(self.overlap_comm)
 
 
-@dataclass(frozen=True)
-class DDP:
-    """``DistributedDataParallel`` over ``dp`` ranks."""
+    def ranks_traced(self, world: int) -> tuple[int, ...]:
+        """All ranks up to ``traced_ranks``, else the first two and the last two."""
+        if world <= self.traced_ranks:
+            return tuple(range(world))
+        return tuple(sorted({0, 1, world - 2, world - 1}))
 
-    dp: int
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
+    def describe(self):
+        out = super().describe()
+        out.pop("traced_ranks")
+        return out
+
+    def validate(self, given, config) -> None:
+        exclusive(given, self.key, ("fsdp", "zero", "ddp"),
+                  "FSDP2 and ZeRO-3 are the same idea; DDP buckets do not exist under ZeRO")
+        tp = given.get("tp")
+        if tp is not None:
+            if self.offloaded:
+                raise StrategyError("ZeRO-Offload with tensor parallelism is not modelled",
+                                    hint="drop offload, or use FSDP (fsdp=FSDP(dp)) with tp")
+            if tp.plan != "auto" or tp.sequence_parallel:
+                raise StrategyError(
+                    "ZeRO with tp: DeepSpeed shards the model with its own AutoTP "
+                    "(tensor_parallel.autotp_size), which takes no plan= and has no sequence "
+                    "parallelism", hint="drop plan= / sequence_parallel, or use FSDP with tp")
+
+    def apply(self, plan):
+        from .ds_engine import DeepSpeedDriver, deepspeed_config
+
+        tp = plan.given.get("tp")
+        t = tp.tp if tp is not None else 1
+        config, world = plan.config, self.dp * t
+        ds_config = deepspeed_config(self, config.precision, t)
+        gpu = config.device == "cuda"
+        fused = config.optimizer is None and gpu
+        if fused:  # DeepSpeed's FusedAdam (its AdamW on a GPU) updates in place, as this does
+            config = config.replace(optimizer=fused_adamw)
+        traced = self.ranks_traced(world)
+
+        def note(info):
+            autotp = f" with its AutoTP over {t} tensor-parallel ranks" if tp is not None else ""
+            which = ("every rank traced" if len(traced) == world else
+                     f"ranks {', '.join(map(str, traced))} of {world} traced (the others' peaks "
+                     f"are not known; ZeRO(traced_ranks={world}) traces all)")
+            yield (f"per-rank figures, traced with DeepSpeed's own ZeRO-{self.stage} engine"
+                   f"{autotp} (deepspeed.initialize on a fake process group of {world}), "
+                   f"{which}; "
+                   + (f"ranks differ (where ZeRO's partition boundaries fall): the figures "
+                      f"shown are rank {info.shown}'s, the largest peak at the example sizes; "
+                      "\"ranks\" lists them all" if len(info.classes) > 1 else
+                      "the traced ranks are equal") + "; the "
+                   + ("optimizer is DeepSpeed's FusedAdam, traced as torch's fused AdamW (both "
+                      "update in place, no step temporaries; not measured on a GPU)" if fused
+                      else "client optimizer is the one given (torch's AdamW by default)")
+                   + "; the inference figures are the plain forward"
+                   + ("; fp16 is traced but not checked against a real run (DeepSpeed's CPU "
+                      "accelerator refuses fp16)" if "fp16" in ds_config else ""))
+            if self.offloaded:
+                what = ("ZeRO-Offload: what DeepSpeed places on the CPU (fp32 master "
+                        "partitions, optimizer states, gradient partitions"
+                        + (", parameter partitions" if self.offload_param else "")
+                        + ") is host memory")
+                yield (f"{what}, not in the figures: its peak is strategy.host_bytes; the "
+                       "split is DeepSpeed's own placement, not measured on a GPU" if gpu else
+                       f"{what}; on --device cpu it is the same memory, so the figures are "
+                       "the sum")
+
+        host = None
+        if self.offloaded and gpu:
+            def host(report):
+                return host_peak(report.train.trace) if report.train is not None else None
+
+        return plan.but(config=config, notes=(note,), host=host,
+                        driver=lambda rank: DeepSpeedDriver(ds_config, world, rank, gpu),
+                        ranks=Ranks(world=world, sampled=traced))
 
 
-def load_deepspeed_config(path: str, dp: int) -> tuple[ZeRO | None, str | None]:
+def fused_adamw(params):
+    """torch's fused AdamW: DeepSpeed's FusedAdam stands in as it on CUDA (both update in
+    place)."""
+    return torch.optim.AdamW(params, fused=True)
+
+
+def load_deepspeed_config(path: str, dp: int) -> tuple[ZeRO | None, Precision | None]:
     """``(ZeRO settings or None, precision)`` from a DeepSpeed JSON config.
 
     ``"auto"`` values (resolved by Hugging Face's Trainer, not by DeepSpeed) are an error here:
@@ -98,9 +175,9 @@ def load_deepspeed_config(path: str, dp: int) -> tuple[ZeRO | None, str | None]:
     z = cfg.get("zero_optimization") or {}
     precision = None
     if (cfg.get("bf16") or {}).get("enabled") is True:
-        precision = "bf16-master"
+        precision = Precision.BF16_MASTER
     elif (cfg.get("fp16") or {}).get("enabled") is True:
-        precision = "16-true"  # fp16 weights and activations; ZeRO holds the fp32 masters
+        precision = Precision.FP16_TRUE  # fp16 weights and activations; ZeRO holds the fp32 masters
     stage = int(z.get("stage", 0))
     if stage == 0:
         return None, precision
@@ -122,23 +199,6 @@ def load_deepspeed_config(path: str, dp: int) -> tuple[ZeRO | None, str | None]:
     return ZeRO(stage=stage, dp=dp, **kw), precision
 
 
-@dataclass
-class RankMemory:
-    """One rank's figures under a modelled strategy (bytes, sympy)."""
-
-    peak: sympy.Expr
-    parameters: sympy.Expr
-    gradients: sympy.Expr
-    optimizer_states: sympy.Expr
-    buffers: dict[str, sympy.Expr] = field(default_factory=dict)  # communication buffers
-    notes: list[str] = field(default_factory=list)
-    candidates: list = field(default_factory=list)
-
-
-def _numel(ps) -> int:
-    return sum(p.numel() for p in dict.fromkeys(ps))
-
-
 def host_peak(trace) -> sympy.Expr:
     """The peak of host memory over a traced step (storages the run placed on the host)."""
     from dataclasses import replace
@@ -147,63 +207,3 @@ def host_peak(trace) -> sympy.Expr:
     return as_max(peak_candidates(replace(trace, device="host")))
 
 
-def ddp_rank(report, model: torch.nn.Module, ddp: DDP) -> RankMemory:
-    """Per-rank memory of a training step under DDP: the traced step plus its buckets.
-
-    The buckets hold one flat copy of every trainable gradient, allocated at construction. By
-    default each parameter keeps its own gradient too (autograd's, copied into the bucket and
-    back). With ``gradient_as_bucket_view`` the gradients are views into the buckets: each one
-    autograd produces lives until it is accumulated, when DDP's hook copies it into its bucket
-    view and drops it (the trace records when: :attr:`tracer.RunRecord.grad_ready`).
-    """
-    step = report.train
-    if step is None:
-        raise StrategyError("DDP needs the training step", hint="do not pass --inference")
-    buckets = step.gradients
-    if not ddp.gradient_as_bucket_view:
-        cands = [Candidate(sympy.expand(c.expr + buckets), c.event, c.label)
-                 for c in step.candidates]
-        how = "hold a copy of every gradient"
-    else:
-        run = step.trace.run
-        frees: dict[int, int] = {}
-        for i, sid in run.grad_ready:
-            if sid is not None and run.storages[sid].phase is Phase.BACKWARD:
-                frees.setdefault(sid, i)
-        cands = edited_candidates(
-            step.trace, frees=frees, added=[Added(buckets, run.start)],
-            keep=lambda s, sign: s.category is not Category.GRADIENT or s.sid in frees)
-        how = ("are the gradients (gradient_as_bucket_view): each gradient autograd produces "
-               "is dropped once copied in")
-    return RankMemory(peak=as_max(cands), candidates=cands, parameters=step.parameters,
-                      gradients=step.gradients, optimizer_states=step.optimizer_states,
-                      buffers={"ddp_buckets": buckets},
-                      notes=[f"DDP buckets ({ddp.bucket_cap_mb:g} MiB each), allocated at "
-                             f"construction, {how}"])
-
-
-@dataclass
-class RankStep(StepMemory):
-    """A traced step with a modelled strategy's per-rank figures in place of its own."""
-
-    rank: RankMemory | None = None
-
-    def breakdown(self, point: dict[str, int]) -> dict[str, int]:
-        subs = self.check_point(point)
-        ev = lambda e: int(sympy.sympify(e).xreplace(subs))
-        r = self.rank
-        out = {c.value: 0 for c in Category}
-        out[Category.PARAMETER.value] = ev(r.parameters)
-        out[Category.GRADIENT.value] = ev(r.gradients)
-        out[Category.OPTIMIZER_STATE.value] = ev(r.optimizer_states)
-        out[Category.TEMPORARY.value] = ev(self.peak) - sum(out.values())
-        return out
-
-
-def rank_step(step: StepMemory, rank: RankMemory) -> RankStep:
-    """``step`` with ``rank``'s peak, candidates and model states (for reports and budgets)."""
-    from dataclasses import fields
-    kw = {f.name: getattr(step, f.name) for f in fields(StepMemory)}
-    kw.update(peak=rank.peak, candidates=rank.candidates, parameters=rank.parameters,
-              gradients=rank.gradients, optimizer_states=rank.optimizer_states)
-    return RankStep(**kw, rank=rank)

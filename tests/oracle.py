@@ -21,7 +21,7 @@ def check(report, factory, inputs, points, **kw):
         torch.manual_seed(0)
         real = materialize(factory())
         x = example_inputs(inputs, pt)
-        got = report.at(**pt)
+        got = figures(report, **pt)
         if report.train is not None:
             m = measure_train(real, x, **kw)
             want = {"peak": m.peak, "parameters": m.parameters, "gradients": m.gradients,
@@ -32,3 +32,11 @@ def check(report, factory, inputs, points, **kw):
             mi = measure_inference(real, x, kw.get("precision", "32-true"))
             assert got["inference"]["peak"] == mi, \
                 f"inference at {pt}: predicted {got['inference']['peak']}, measured {mi}"
+
+
+def figures(report, **point) -> dict:
+    """Every figure at ``point``, from the report that covers it: a point below the formulas'
+    range, or where a condition of the trace is false, is traced on its own
+    (:meth:`memsim.Report.for_point`)."""
+    shown, at = report.for_point(point)
+    return shown.at(**at)

@@ -44,7 +44,8 @@ def test_limits_fit_and_next_size_does_not_real_run(solve):
 
 def test_limit_below_the_formula_range_uses_the_size_one_trace():
     report = predict(zoo.MLP, {"x": ("float32", ["B", 16])}, inference=False)
-    one = report.at(B=1)["train"]["peak"]
+    sub, pt = report.for_point({"B": 1})
+    one = sub.at(**pt)["train"]["peak"]
     b = plan(report, {"B": 4}, capacity=one, margin=0.0)
     assert b.max_batch == 1 and not b.fits
     b = plan(report, {"B": 4}, capacity=one - 1, margin=0.0)

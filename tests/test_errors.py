@@ -106,7 +106,10 @@ def test_out_of_range_point_says_so():
         r.at(B=9)
     with pytest.raises(OutOfRangeError, match="B=0"):
         r.at(B=0)
-    assert r.at(B=1)["train"]["peak"] > 0  # traced on its own with B fixed to 1
+    with pytest.raises(OutOfRangeError, match="B=1"):
+        r.at(B=1)  # below the formula's range: at() names for_point, which traces it...
+    sub, pt = r.for_point({"B": 1})
+    assert sub.fixed == {"B": 1} and sub.at(**pt)["train"]["peak"] > 0  # ...with B fixed to 1
     with pytest.raises(InputError, match="lacks B"):
         r.at(S=3)
 

@@ -11,6 +11,7 @@ from memsim.strategies import FSDP, LoRA, TensorParallel
 from memsim.strategies.api import analyze
 from memsim.strategies.parallel import tp_plan
 from memsim.tracer import StrategyError
+from oracle import figures
 
 pytest.importorskip("torch.distributed.fsdp")
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
@@ -27,7 +28,7 @@ def _compare(report, factory, inputs_fn, strategy, point, tol=0.0):
     real = O.measure(factory, inputs_fn, strategy=strategy)
     assert len({r.peak for r in real}) == 1, "ranks differ"
     r = real[0]
-    got = report.at(**point)["train"]
+    got = figures(report, **point)["train"]
     # the device mesh keeps its rank layout as a CPU tensor (world_size int32): host memory on
     # a GPU, not modelled; the oracle counts it under `other`
     want = r.peak - r.other
@@ -76,7 +77,7 @@ def test_fsdp_x_tp_2d_mesh_matches_real_gloo_run():
     for b, s in ((2, 16), (4, 32)):
         real = O.measure(O.llama_model, functools.partial(O.llama_inputs, batch=b, seq=s),
                          strategy=O.FSDP2TP())
-        got = report.at(B=b, S=s)["train"]
+        got = figures(report, B=b, S=s)["train"]
         assert {r.peak - r.other for r in real} == {got["peak"]}
         assert (real[0].parameters, real[0].optimizer_states) == (got["parameters"],
                                                                   got["optimizer_states"])
@@ -98,7 +99,7 @@ def test_ddp_matches_real_gloo_run(name, view):
                   {"B": 2, "S": 16})}[name]
     report = _predict(factory, spec, ddp=DDP(2, gradient_as_bucket_view=view))
     real = O.measure(factory, inputs, strategy=O.DDP(gradient_as_bucket_view=view))[0]
-    got = report.at(**pt)["train"]
+    got = figures(report, **pt)["train"]
     assert got["peak"] == real.peak - real.other
     buckets = [d for d in real.other_detail if d.startswith("ddp_buckets=")]
     assert buckets == [f"ddp_buckets={got['gradients']}"]
@@ -146,7 +147,7 @@ def test_sequence_parallel_llama_matches_real_gloo_run(attn):
     for b, s in ((2, 16), (4, 33)):
         real = O.measure(factory, functools.partial(O.llama_inputs, batch=b, seq=s),
                          strategy=O.TP(plan=_torch_sp_plan()))
-        got = report.at(B=b, S=s)["train"]
+        got = figures(report, B=b, S=s)["train"]
         r = real[0]
         assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"]) == (
             r.peak - r.other, r.parameters, r.gradients, r.optimizer_states)
@@ -156,7 +157,7 @@ def test_sequence_parallel_llama_matches_real_gloo_run(attn):
 def _per_rank(report, real, point):
     """Each group of ranks in ``report.ranks`` against every real rank it stands for."""
     for rc in report.ranks:
-        got = rc.report.at(**point)["train"]
+        got = figures(rc.report, **point)["train"]
         for r in rc.ranks:
             m = real[r]
             assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"]) \

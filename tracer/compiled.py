@@ -44,6 +44,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import TraceError
+from .rules import ANY, Kind, lookup, register
 
 
 class _Flat(torch.nn.Module):
@@ -180,33 +181,36 @@ def _compile(flat: _Flat, tensors: list, recorder):
         ) from e
 
 
-_REDUCTIONS = {"sum", "mean", "amax", "amin", "var_mean", "var", "prod", "argmax", "argmin",
-               "any", "all", "max", "min", "logsumexp", "std", "norm", "linalg_vector_norm"}
-_POINTWISE_EXTRA = {"convert_element_type", "_to_copy", "clone", "full", "scalar_tensor",
-                    "full_like", "zeros_like", "ones_like", "empty_like", "where", "masked_fill",
-                    "inductor_random", "iota", "copy", "rand_like", "randn_like", "fill"}
+# How Inductor lowers ops beyond their tags (torch.Tag.pointwise marks most pointwise ops)
+for _name in ("sum", "mean", "amax", "amin", "var_mean", "var", "prod", "argmax", "argmin",
+              "any", "all", "max", "min", "logsumexp", "std", "norm", "linalg_vector_norm"):
+    register(Kind.INDUCTOR, _name, "reduction", doc="a reduction kernel: its pointwise inputs "
+             "are computed inside it")
+for _name in ("convert_element_type", "_to_copy", "clone", "full", "scalar_tensor", "full_like",
+              "zeros_like", "ones_like", "empty_like", "where", "masked_fill", "inductor_random",
+              "iota", "copy", "rand_like", "randn_like", "fill"):
+    register(Kind.INDUCTOR, _name, "pointwise", doc="lowered as a pointwise kernel (untagged)")
+register(Kind.INDUCTOR, "cat", "concat",
+         doc="Inductor computes pointwise inputs straight into the output's slices")
 
 
 def _kind(node: torch.fx.Node) -> str:
-    """How Inductor lowers ``node``: ``pointwise``, ``view``, ``reduction`` or ``other``."""
+    """How Inductor lowers ``node``: ``pointwise``, ``view``, ``reduction``, ``concat`` or
+    ``other``."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
             or node.meta.get("memsim_extern"):
         return "other"
     op = node.target
-    name = op._opname
     schema = op._schema
     if schema.returns and schema.returns[0].alias_info is not None \
             and not schema.returns[0].alias_info.is_write and not schema.is_mutable:
         return "view"
     if schema.is_mutable:
         return "other"
-    if torch.Tag.pointwise in op.tags or name in _POINTWISE_EXTRA:
+    if torch.Tag.pointwise in op.tags:
         return "pointwise"
-    if name in _REDUCTIONS:
-        return "reduction"
-    if name == "cat":   # Inductor computes pointwise inputs straight into the output's slices
-        return "concat"
-    return "other"
+    entry = lookup(Kind.INDUCTOR, op._opname, ANY)
+    return entry.value if entry is not None else "other"
 
 
 def fuse(gm: torch.fx.GraphModule, recorder, backward: bool = False) -> None:

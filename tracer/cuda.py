@@ -21,24 +21,28 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_SDPA = F.scaled_dot_product_attention
-_DROPOUT = F.dropout
+from .rules import Kind, keys, lookup, rule
 
 
 class _CudaKernels(TorchFunctionMode):
+    """Routes the functions with a ``function`` rule for CUDA (:mod:`memsim.tracer.rules`)."""
+
+    def __init__(self):
+        super().__init__()
+        self._keys = keys(Kind.FUNCTION, "cuda")
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA:
-            out = _flash_like(*args, **kwargs)
-            if out is not None:
-                return out
-        if func is _DROPOUT:
-            out = _native_dropout(*args, **kwargs)
+        if func in self._keys:
+            out = lookup(Kind.FUNCTION, func, "cuda").value(*args, **kwargs)
             if out is not None:
                 return out
         return func(*args, **kwargs)
 
 
+@rule(Kind.FUNCTION, F.dropout, device="cuda",
+      doc="training dropout runs native_dropout on CUDA: a bool mask (1 byte per element) "
+          "where the CPU path keeps a float one")
 def _native_dropout(input, p=0.5, training=True, inplace=False):
     """CUDA's dropout kernel (bool mask), or None to leave the call as it is."""
     if not training or p == 0.0 or inplace:
@@ -47,6 +51,9 @@ def _native_dropout(input, p=0.5, training=True, inplace=False):
     return out
 
 
+@rule(Kind.FUNCTION, F.scaled_dot_product_attention, device="cuda",
+      doc="SDPA runs a fused kernel on CUDA (flash / memory-efficient): saves the output and a "
+          "(B, H, S) fp32 log-sum-exp, not the (B, H, S, S) probabilities of the math path")
 def _flash_like(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
     """The fused-attention kernel CUDA would run, or None to leave the call as it is."""

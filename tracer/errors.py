@@ -78,3 +78,19 @@ class OutOfRangeError(MemsimError, ValueError):
 
 class StrategyError(MemsimError, ValueError):
     """An impossible or contradictory strategy setting."""
+
+
+def closest(name: str, choices, n: int = 1, cutoff: float = 0.6) -> list[str]:
+    """The ``n`` entries of ``choices`` most like ``name`` (difflib's ratio >= ``cutoff``)."""
+    import difflib
+    return difflib.get_close_matches(str(name), [str(c) for c in choices], n=n, cutoff=cutoff)
+
+
+def did_you_mean(name: str, choices, n: int = 1) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to ``name``, or ``""``.
+
+    >>> did_you_mean("adamw8bti", ["adamw8bit", "lion"])
+    " (did you mean 'adamw8bit'?)"
+    """
+    close = closest(name, choices, n)
+    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""

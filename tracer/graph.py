@@ -4,7 +4,7 @@ Why not ``make_fx``: its nodes keep every fake output in ``node.meta["val"]``, s
 released and only graph last-use liveness is left, which is a lower bound for eager code. The
 recorder runs the step eagerly instead and this module rebuilds the same kind of graph from what
 it saw. Each node carries one frozen record in ``node.meta["memsim"]`` (an
-:class:`~tracer.records.OpRecord` or :class:`~tracer.records.LeafRecord`).
+:class:`~memsim.tracer.records.OpRecord` or :class:`~memsim.tracer.records.LeafRecord`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The built-in memory rules (see :mod:`tracer.rules`)."""
+"""The built-in memory rules (see :mod:`memsim.tracer.rules`)."""
 
 from __future__ import annotations
 
@@ -6,29 +6,24 @@ import torch
 
 from .errors import DataDependentError
 from .records import Phase
-from .rules import register_rule
+from .rules import Kind, rule
+from .sources import calling_frame
 
 aten = torch.ops.aten
 
 
 def _from_grad_scaler() -> bool:
     """True when the innermost torch.amp / torch.optim frame calling is the GradScaler's."""
-    import sys
-    f = sys._getframe(2)
-    while f is not None:
-        name = f.f_code.co_filename.replace("\\", "/")
-        if "/torch/amp/" in name or "/torch/optim/" in name:
-            return name.endswith("grad_scaler.py")
-        f = f.f_back
-    return False
+    f = calling_frame(lambda name: "/torch/amp/" in name or "/torch/optim/" in name)
+    return f is not None and f.f_code.co_filename.endswith("grad_scaler.py")
 
 
-@register_rule(aten._local_scalar_dense.default,
+@rule(Kind.ATEN, aten._local_scalar_dense.default,
                doc="optimizer step counters read with .item(): value 1; GradScaler's found_inf: "
                    "0 (no overflow, the step runs); memory never depends on them")
 def _local_scalar(recorder, func, args, kwargs):
     """``.item()``: allowed only in the optimizer, where it reads the step count (or the
-    GradScaler's overflow flag: the steady-state step has none). A :class:`tracer.step.Driver`
+    GradScaler's overflow flag: the steady-state step has none). A :class:`memsim.tracer.Driver`
     may answer first (DeepSpeed's overflow checks read 0)."""
     hook = getattr(recorder, "scalar_hook", None)
     if hook is not None:
@@ -46,7 +41,7 @@ def _local_scalar(recorder, func, args, kwargs):
         hint="move the data-dependent branch out of forward, or give that value as a constant")
 
 
-@register_rule(aten.constant_pad_nd.default,
+@rule(Kind.ATEN, aten.constant_pad_nd.default,
                doc="F.pad: its C++ kernel reads concrete sizes and would pin symbols; same "
                    "single output allocation, computed symbolically")
 def _constant_pad(recorder, func, args, kwargs):
@@ -67,7 +62,7 @@ def _constant_pad(recorder, func, args, kwargs):
     return out
 
 
-@register_rule(aten.pad.default,
+@rule(Kind.ATEN, aten.pad.default,
                doc="F.pad reaching the recorder whole (DTensor pads uneven shards inside its "
                    "own dispatch): constant mode as constant_pad_nd")
 def _pad(recorder, func, args, kwargs):
@@ -97,7 +92,7 @@ def _covers(start, end, step, size) -> bool:
     return diff.is_nonnegative is True
 
 
-@register_rule(aten.slice_backward.default,
+@rule(Kind.ATEN, aten.slice_backward.default,
                doc="a slice that keeps the whole dimension (x[:, 0:] with a symbolic size) is "
                    "an alias in a real run, whose backward allocates nothing")
 def _slice_backward(recorder, func, args, kwargs):
@@ -114,7 +109,7 @@ def _slice_backward(recorder, func, args, kwargs):
     return func(*args, **kwargs)
 
 
-@register_rule(aten.native_layer_norm.default,
+@rule(Kind.ATEN, aten.native_layer_norm.default,
                doc="bf16/fp16 input: mean and rstd are fp32 on CUDA (layer_norm_cuda allocates "
                    "them in the accumulate type) and on CPU with an fp32 weight (autocast); "
                    "the fake kernel makes them the input dtype")
@@ -134,7 +129,7 @@ def _layer_norm(recorder, func, args, kwargs):
     return out, mean, rstd
 
 
-@register_rule(aten.native_batch_norm.default,
+@rule(Kind.ATEN, aten.native_batch_norm.default,
                doc="bf16/fp16 input with fp32 weight (autocast), training: save_mean and "
                    "save_invstd are fp32 in the real kernel; the fake kernel makes them the "
                    "input dtype")
@@ -162,7 +157,7 @@ def _functional(name: str):
 
 
 if _functional("wait_tensor") is not None:
-    @register_rule(_functional("wait_tensor"),
+    @rule(Kind.ATEN, _functional("wait_tensor"),
                    doc="_c10d_functional.wait_tensor returns its input (the real kernel waits "
                        "and aliases it; the fake kernel allocates a copy)")
     def _wait_tensor(recorder, func, args, kwargs):

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from .errors import UsageError
+from .errors import UsageError, did_you_mean
 
 StateFn = Callable[[torch.Tensor], dict]
 
@@ -104,9 +104,13 @@ class Lion(torch.optim.Optimizer):
 def register_optimizer(name: str, factory: Callable | None = None, *,
                        state: StateFn | None = None, shared: dict | None = None,
                        doc: str = "", host_state: bool = False) -> OptimizerEntry:
-    """Register an optimizer by ``name``: a traced ``factory(params)`` or a state layout."""
+    """Register an optimizer by ``name``: a traced ``factory(params)`` or a state layout. A name
+    already registered, or one of torch.optim's, is an error."""
     if (factory is None) == (state is None):
         raise UsageError(f"register_optimizer({name!r}): give exactly one of factory= or state=")
+    if name.lower() in _REGISTRY or name.lower() in _torch_optimizers():
+        raise UsageError(f"an optimizer named {name!r} is already registered",
+                         hint="choose another name")
     if factory is None:
         factory = lambda params: StateLayout(params, state, shared)  # noqa: E731
     entry = OptimizerEntry(name.lower(), factory, doc, host_state)
@@ -126,17 +130,6 @@ def _bnb_8bit(moments: int, min_8bit_size: int = 4096, block: int = 256) -> tupl
 
     shared = {f"qmap{i + 1}": ((256,), torch.float32) for i in range(moments)}
     return state, shared
-
-
-for _name, _moments, _paged in [("adamw8bit", 2, False), ("adam8bit", 2, False),
-                                ("paged_adamw8bit", 2, True), ("paged_adam8bit", 2, True),
-                                ("lion8bit", 1, False), ("paged_lion8bit", 1, True)]:
-    _st, _sh = _bnb_8bit(_moments)
-    register_optimizer(_name, state=_st, shared=_sh, host_state=_paged,
-                       doc=f"bitsandbytes {_name} state layout ({_moments} x 8-bit + absmax)")
-register_optimizer("lion", lambda params: Lion(params), doc="Lion (reference update)")
-register_optimizer("sgd-momentum", lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-                   doc="torch.optim.SGD, momentum 0.9")
 
 
 def _torch_optimizers() -> dict[str, type]:
@@ -160,8 +153,16 @@ def lookup(name: str) -> OptimizerEntry:
         lr = {"sgd": 1e-3}.get(key)  # SGD has no default lr
         return OptimizerEntry(key, (lambda params: cls(params, lr=lr)) if lr else
                               (lambda params: cls(params)), f"torch.optim.{cls.__name__}")
-    import difflib
-    close = difflib.get_close_matches(key, names(), n=3)
-    raise UsageError(f"unknown optimizer {name!r}"
-                     + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""),
+    raise UsageError(f"unknown optimizer {name!r}" + did_you_mean(key, names(), n=3),
                      hint=f"known: {', '.join(names())}; or register_optimizer(...)")
+
+
+for _name, _moments, _paged in [("adamw8bit", 2, False), ("adam8bit", 2, False),
+                                ("paged_adamw8bit", 2, True), ("paged_adam8bit", 2, True),
+                                ("lion8bit", 1, False), ("paged_lion8bit", 1, True)]:
+    _st, _sh = _bnb_8bit(_moments)
+    register_optimizer(_name, state=_st, shared=_sh, host_state=_paged,
+                       doc=f"bitsandbytes {_name} state layout ({_moments} x 8-bit + absmax)")
+register_optimizer("lion", lambda params: Lion(params), doc="Lion (reference update)")
+register_optimizer("sgd-momentum", lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+                   doc="torch.optim.SGD, momentum 0.9")

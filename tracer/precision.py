@@ -26,55 +26,72 @@ without a copy; the CPU kernel makes a transient fp32 copy of the input, which i
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .errors import InputError
+from .errors import InputError, did_you_mean
+from .records import Word
+from .rules import Kind, keys, lookup, register
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16-master")
 _ALIASES = {"32": "32-true", "fp32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed",
             "fp16-mixed": "16-mixed", "amp": "16-mixed", "fp16-true": "16-true",
             "bf16-true-master": "bf16-master"}
 
 
-@dataclass(frozen=True)
-class Precision:
-    """What a precision mode does to the step."""
+class Precision(Word):
+    """A precision mode (see the module docstring); its value is the Lightning-style name.
 
-    name: str
-    param_dtype: torch.dtype      # dtype of the model's floating parameters
-    autocast: torch.dtype | None  # autocast dtype for forward + loss, or None
-    scaler: bool                  # torch.amp.GradScaler around backward and step
-    master: bool                  # fp32 master weights in the optimizer
+    >>> Precision.parse("bf16"), Precision.BF16_MASTER.param_dtype
+    (<Precision.BF16_MIXED: 'bf16-mixed'>, torch.bfloat16)
+    """
+
+    TRUE32 = "32-true"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "16-mixed"
+    BF16_TRUE = "bf16-true"
+    FP16_TRUE = "16-true"
+    BF16_MASTER = "bf16-master"
+
+    @classmethod
+    def parse(cls, name: "str | Precision | None") -> "Precision":
+        """The mode for a name or alias (``None``: ``32-true``); unknown names are an error."""
+        if isinstance(name, cls):
+            return name
+        key = _ALIASES.get(str(name or "32-true"), str(name or "32-true"))
+        try:
+            return cls(key)
+        except ValueError:
+            names = [m.value for m in cls]
+            raise InputError(f"unknown precision {name!r}" + did_you_mean(str(name), names),
+                             hint=f"use one of {', '.join(names)}") from None
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype of the model's floating parameters."""
+        return {Precision.BF16_TRUE: torch.bfloat16, Precision.FP16_TRUE: torch.float16,
+                Precision.BF16_MASTER: torch.bfloat16}.get(self, torch.float32)
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """autocast dtype for forward + loss, or None."""
+        return {Precision.BF16_MIXED: torch.bfloat16,
+                Precision.FP16_MIXED: torch.float16}.get(self)
+
+    @property
+    def scaler(self) -> bool:
+        """``torch.amp.GradScaler`` around backward and step."""
+        return self is Precision.FP16_MIXED
+
+    @property
+    def master(self) -> bool:
+        """fp32 master weights in the optimizer."""
+        return self is Precision.BF16_MASTER
 
     @property
     def low(self) -> torch.dtype | None:
         return self.autocast or (self.param_dtype if self.param_dtype != torch.float32 else None)
-
-
-def precision(name: str | Precision | None) -> Precision:
-    """Look up a precision mode by name (see module docstring)."""
-    if isinstance(name, Precision):
-        return name
-    key = _ALIASES.get(str(name or "32-true"), str(name or "32-true"))
-    table = {
-        "32-true": Precision("32-true", torch.float32, None, False, False),
-        "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16, False, False),
-        "16-mixed": Precision("16-mixed", torch.float32, torch.float16, True, False),
-        "bf16-true": Precision("bf16-true", torch.bfloat16, None, False, False),
-        "16-true": Precision("16-true", torch.float16, None, False, False),
-        "bf16-master": Precision("bf16-master", torch.bfloat16, None, False, True),
-    }
-    if key not in table:
-        import difflib
-        close = difflib.get_close_matches(str(name), PRECISIONS, n=1)
-        raise InputError(f"unknown precision {name!r}"
-                         + (f" (did you mean {close[0]!r}?)" if close else ""),
-                         hint=f"use one of {', '.join(PRECISIONS)}")
-    return table[key]
 
 
 class MasterWeights(torch.optim.Optimizer):
@@ -126,6 +143,8 @@ def wrap_optimizer(prec: Precision, factory):
     return lambda params: MasterWeights(params, factory)
 
 
+# CUDA's autocast policy where it differs from the CPU's (c10's autocast_mode.cpp lists):
+# "fp32": low-precision inputs are cast to fp32 first; "fp32_out": the result is fp32.
 _FP32 = [F.layer_norm, F.group_norm, torch.layer_norm, torch.group_norm, torch.exp,
          torch.Tensor.exp, torch.log, torch.Tensor.log, torch.pow, torch.Tensor.pow,
          torch.Tensor.__pow__, torch.rsqrt, torch.Tensor.rsqrt, torch.logsumexp,
@@ -136,8 +155,12 @@ if hasattr(F, "rms_norm"):
 _FP32_OUT = [F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
              torch.Tensor.log_softmax, torch.sum, torch.Tensor.sum, torch.cumsum,
              torch.Tensor.cumsum, torch.prod, torch.Tensor.prod]
-_FP32_SET = frozenset(_FP32)
-_FP32_OUT_SET = frozenset(_FP32_OUT)
+for _f in _FP32:
+    register(Kind.AUTOCAST, _f, "fp32", device="cuda",
+             doc="CUDA autocast's fp32 list: low-precision inputs cast to fp32")
+for _f in _FP32_OUT:
+    register(Kind.AUTOCAST, _f, "fp32_out", device="cuda",
+             doc="CUDA autocast's fp32-with-output-dtype rule: the result is fp32")
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -146,17 +169,23 @@ def _is_low(x) -> bool:
 
 
 class CudaAutocastPolicy(TorchFunctionMode):
-    """Inside CPU autocast: the ops whose CUDA autocast rule differs run by CUDA's rule."""
+    """Inside CPU autocast: the ops whose CUDA autocast rule differs (``autocast`` entries of
+    :mod:`memsim.tracer.rules`) run by CUDA's rule."""
+
+    def __init__(self):
+        super().__init__()
+        self._keys = keys(Kind.AUTOCAST, "cuda")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.is_autocast_enabled("cpu"):
+        if not torch.is_autocast_enabled("cpu") or func not in self._keys:
             return func(*args, **kwargs)
-        if func in _FP32_SET and any(_is_low(a) for a in (*args, *kwargs.values())):
+        policy = lookup(Kind.AUTOCAST, func, "cuda").value
+        if policy == "fp32" and any(_is_low(a) for a in (*args, *kwargs.values())):
             cast = lambda a: a.float() if _is_low(a) else a  # noqa: E731
             with torch.autocast("cpu", enabled=False):
                 return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
-        if (func in _FP32_OUT_SET and args and _is_low(args[0]) and len(args) <= 2
+        if (policy == "fp32_out" and args and _is_low(args[0]) and len(args) <= 2
                 and kwargs.get("dtype") is None):
             with torch.autocast("cpu", enabled=False):
                 return func(*args, **{**kwargs, "dtype": torch.float32})

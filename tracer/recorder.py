@@ -12,6 +12,7 @@ The same pass records each op (inputs, outputs, module path, phase) for the fx /
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import sympy
@@ -21,12 +22,13 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .records import Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage, TensorMeta
-from .rules import lookup_rule
-
+from .rules import ANY, Kind, lookup, register
 
 # Op namespaces whose memory the tests check against real runs: ATen, and the collectives and
 # FSDP2 copies of torch.distributed (gloo runs in tests/test_parallel.py).
-CHECKED_NAMESPACES = ("aten", "prims", "prim", "profiler", "_c10d_functional", "c10d", "fsdp")
+for _ns in ("aten", "prims", "prim", "profiler", "_c10d_functional", "c10d", "fsdp"):
+    register(Kind.NAMESPACE, _ns, "checked",
+             doc="memory of its ops checked against real runs (tests/)")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -45,27 +47,30 @@ def _patched(cls, name: str, wrap):
         setattr(cls, name, orig)
 
 
+def outside_fake(fn):
+    """``fn`` run outside any fake mode: device meshes are a few host integers that PyTorch
+    computes with real tensors (under a fake mode their rank coordinates become
+    data-dependent)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    @functools.wraps(fn)
+    def real(*args, **kwargs):
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+    return real
+
+
 @contextlib.contextmanager
 def real_meshes(wrap=None):
-    """Build every ``DeviceMesh`` outside the fake mode: a mesh is a few host integers that
-    PyTorch computes with real tensors (under a fake mode its rank coordinates become
-    data-dependent). FSDP2 builds one when it shards tensor-parallel parameters."""
+    """Build every ``DeviceMesh`` outside the fake mode (:func:`outside_fake`); FSDP2 builds one
+    when it shards tensor-parallel parameters. ``wrap`` wraps the constructor first."""
     try:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:
         yield
         return
-
-    def real(fn):
-        inner = wrap(fn) if wrap is not None else fn
-
-        def init(*args, **kwargs):
-            with unset_fake_temporarily():
-                return inner(*args, **kwargs)
-        return init
-
-    with _patched(DeviceMesh, "__init__", real):
+    with _patched(DeviceMesh, "__init__",
+                  lambda fn: outside_fake(wrap(fn) if wrap is not None else fn)):
         yield
 
 
@@ -263,13 +268,11 @@ class Recorder(TorchDispatchMode):
         return self.run
 
     def _note_specialization(self, op: str) -> None:
-        import traceback
-
-        from .step import model_source_stack
+        from .sources import model_source_stack
 
         reps = self.shape_env.replacements
         self._n_repl = len(reps)
-        src = model_source_stack(traceback.extract_stack())
+        src = model_source_stack()
         for sym, val in reps.items():
             if not any(x[0] == sym for x in self.specialized):
                 self.specialized.append((sym, val, op, self.module, src))
@@ -297,16 +300,15 @@ class Recorder(TorchDispatchMode):
             return NotImplemented
         name = str(func)
         self.current_op = name
-        rule = lookup_rule(func, self.device)
+        rule = lookup(Kind.ATEN, func, self.device)
         inputs = tuple(self._input_index(t) for t in flat_in)
         if rule is not None:
-            out = rule(self, func, args, kwargs)
+            out = rule.value(self, func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         if self.shape_env is not None and len(self.shape_env.replacements) != self._n_repl:
             self._note_specialization(name)
-        ns = func.namespace
-        if ns not in CHECKED_NAMESPACES and any(
+        if lookup(Kind.NAMESPACE, func.namespace, ANY) is None and any(
                 isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
             self.run.other_ops[name] = self.run.other_ops.get(name, 0) + 1
         self._record(name, inputs, out, _flops(func, args, kwargs, out))
@@ -314,14 +316,14 @@ class Recorder(TorchDispatchMode):
 
     def release(self, t: torch.Tensor) -> None:
         """``t``'s storage is released now, though Python still holds it for a moment (a
-        compiled kernel writes its result over this buffer: :mod:`tracer.compiled`)."""
+        compiled kernel writes its result over this buffer: :mod:`memsim.tracer.compiled`)."""
         sid = self.sid_of(t)
         if sid is not None:
             self._release(id(local(t).untyped_storage()), sid)
 
     def record_fused(self, name: str, inputs: list, out) -> None:
         """Record ``out`` as one op's result: a fused kernel whose inner ops ran unrecorded
-        (:mod:`tracer.compiled`) reads ``inputs`` and allocates only ``out``."""
+        (:mod:`memsim.tracer.compiled`) reads ``inputs`` and allocates only ``out``."""
         self._record(name, tuple(self._input_index(t) for t in inputs), out, 0)
 
     def _record(self, name: str, inputs: tuple, out, flops) -> None:

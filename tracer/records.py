@@ -1,7 +1,7 @@
 """The data a trace produces: storages with symbolic sizes and lifetimes, and the ops that ran.
 
 Everything here is plain, frozen data (sympy expressions in the *raw* ShapeEnv symbols until
-:func:`tracer.trace` maps them to the user's names). No tensors are held.
+:func:`memsim.tracer.trace` maps them to the user's names). No tensors are held.
 """
 
 from __future__ import annotations
@@ -12,7 +12,19 @@ from enum import Enum
 import sympy
 
 
-class Category(str, Enum):
+class Word(str, Enum):
+    """A mode or label that is a word: equal to its value, printed as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    __hash__ = str.__hash__  # Enum hashes the member's name: equal to its value, hash as it
+
+
+class Category(Word):
     """What a storage is, in the vocabulary of ``torch.distributed._tools.mem_tracker``.
 
     - ``parameter``: a module parameter (trainable or frozen).
@@ -37,7 +49,7 @@ class Category(str, Enum):
 MODEL_STATE = frozenset({Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE})
 
 
-class Phase(str, Enum):
+class Phase(Word):
     """Where in the step an allocation happened."""
 
     SETUP = "setup"            # before the step: parameters, inputs, warm-up of optimizer state

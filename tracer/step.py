@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
-import os
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,15 +45,15 @@ from .errors import (
     MemsimError,
     TraceError,
     UnsupportedOpError,
+    did_you_mean,
 )
+from .config import StepConfig
+from .driver import Driver
+from .precision import forward_context, step_context, wrap_optimizer
 from .records import Category, Phase, RunRecord
 from .recorder import Recorder
+from .sources import model_source
 from .spec import TensorSpec
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + p
-                  for p in ("tracer", "analysis", "strategies"))
-_STDLIB = os.path.dirname(os.__file__)
 
 LossFn = Callable[[Any], torch.Tensor]
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -112,31 +110,6 @@ def optimizer_defaults_for(device: str):
     finally:
         types.remove(FakeTensor)
         _opt._get_foreach_kernels_supported_devices = orig
-
-
-def _is_model_file(f: str) -> bool:
-    f = os.path.abspath(f)
-    stdlib = f.startswith(_STDLIB) and "site-packages" not in f and "dist-packages" not in f
-    return not (f.startswith(_TORCH_DIR) or f.startswith(_OWN_DIRS) or stdlib
-                or "<frozen" in f or "/site-packages/sympy" in f
-                or "/site-packages/networkx" in f)
-
-
-def model_source(tb) -> str | None:
-    """``file:line`` of the innermost traceback frame that is model code (not torch, not ours)."""
-    best = None
-    for frame, lineno in traceback.walk_tb(tb):
-        if _is_model_file(frame.f_code.co_filename):
-            best = f"{os.path.abspath(frame.f_code.co_filename)}:{lineno}"
-    return best
-
-
-def model_source_stack(stack) -> str | None:
-    """``file:line`` of the innermost frame of model code in a ``traceback.extract_stack()``."""
-    for fr in reversed(stack):
-        if _is_model_file(fr.filename):
-            return f"{os.path.abspath(fr.filename)}:{fr.lineno} ({fr.line})"
-    return None
 
 
 @contextlib.contextmanager
@@ -202,11 +175,8 @@ def check_inputs(model: torch.nn.Module, names: list[str]) -> None:
     known = {p.name for p in params}
     for n in names:
         if n not in known:
-            import difflib
-            close = difflib.get_close_matches(n, known, n=1)
             raise InputError(
-                f"{type(model).__name__}.forward has no parameter {n!r}"
-                + (f" (did you mean {close[0]!r}?)" if close else ""),
+                f"{type(model).__name__}.forward has no parameter {n!r}" + did_you_mean(n, known),
                 hint=f"forward takes: {', '.join(p.name for p in params) or '(nothing)'}")
     missing = [p.name for p in params if p.default is p.empty and p.name not in names]
     if missing:
@@ -278,148 +248,48 @@ def translate(err: BaseException, recorder: Recorder | None) -> MemsimError:
                            "does, report the op and module above")
 
 
-def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
-             hints: dict[str, int], train: bool, loss_fn: LossFn | None = None,
-             optimizer: OptimizerFactory | None = None, constants: dict | None = None,
-             keep_outputs: bool = True, patches: Callable | None = None,
-             precision=None, accumulate: int = 1, transform: Callable | None = None,
-             compiled: bool = False, driver: "Driver | None" = None
-             ) -> tuple[RunRecord, ShapeEnv, SymbolTable]:
-    """Run one training step (``train=True``) or one inference forward symbolically.
+def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
+             config: StepConfig, *, hints: dict[str, int], train: bool,
+             transform: Callable | None = None, driver: Driver | None = None,
+             patches: Callable | None = None) -> tuple[RunRecord, ShapeEnv, SymbolTable]:
+    """Run one training step (``train=True``) or one inference forward symbolically, as
+    ``config`` describes it (:class:`~memsim.tracer.config.StepConfig`).
 
-    ``precision``: a :mod:`tracer.precision` mode. ``accumulate``: micro-batches per optimizer
-    step (gradient accumulation); micro-steps after the second repeat the second exactly (the
-    gradients exist, the previous output is released when the next forward returns), so two are
-    run for any ``accumulate >= 2``. ``compiled``: the forward runs as ``torch.compile`` would
-    partition it (:mod:`tracer.compiled`). ``driver``: a :class:`Driver` that owns the training
-    loop (DeepSpeed's engine) in place of the plain one.
+    ``hints``: the example size of every symbol. ``transform(model)``: applied to a copy of the
+    model inside the run, before the optimizer is built (strategies). ``driver``: a
+    :class:`~memsim.tracer.driver.Driver` that owns the training loop (DeepSpeed's engine).
+    ``patches``: a context-manager factory entered for the run (Hugging Face's scoped patches).
+    With ``config.accumulate >= 2``, micro-steps after the second repeat the second exactly
+    (the gradients exist, the previous output is released when the next forward returns), so
+    two are run.
     """
-    from .precision import forward_context, precision as _precision, step_context, wrap_optimizer
-
-    prec = _precision(precision)
-    if not isinstance(accumulate, int) or accumulate < 1:
-        raise InputError(f"accumulate={accumulate!r} must be an int >= 1",
-                         hint="micro-batches per optimizer step")
-    low = prec.param_dtype if prec.param_dtype != torch.float32 else None
-    if driver is not None and train:
-        if prec.autocast is not None or accumulate != 1 or compiled:
-            what = ("precision " + repr(prec.name) if prec.autocast is not None else
-                    "accumulate" if accumulate != 1 else "compiled")
-            raise InputError(f"{what} is not supported with {type(driver).__name__}",
-                             hint="the engine owns the training loop and its precision")
-    # with a driver the engine casts the model itself (float inputs are made in its dtype)
-    model_low = None if driver is not None and train else low
-    constants = dict(constants or {})
+    driven = driver is not None and train
+    if driven and (config.precision.autocast is not None or config.accumulate != 1
+                   or config.compiled):
+        what = (f"precision {config.precision.value!r}" if config.precision.autocast
+                else "accumulate" if config.accumulate != 1 else "compiled")
+        raise InputError(f"{what} is not supported with {type(driver).__name__}",
+                         hint="the engine owns the training loop and its precision")
     check_inputs(model, [s.name for s in specs] + list(constants))
     if transform is not None or driver is not None:
         import copy
         model = copy.deepcopy(model)
     shape_env = ShapeEnv()
-    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-    recorder = Recorder(device)
+    recorder = Recorder(config.device)
     recorder.shape_env = shape_env
     was_training = model.training
-    loss_fn = loss_fn or default_loss
     try:
         with contextlib.ExitStack() as stack:
-            if driver is not None and train:
-                stack.enter_context(driver.context())
-                recorder.scalar_hook = driver.scalar
-                # host memory is apart from the device's only on a GPU (on the CPU it is all one)
-                recorder.host_device = driver.host_device if device == "cuda" else None
-            stack.enter_context(fake_mode)
-            stack.enter_context(fake_module(model, "cpu", model_low))
-            stack.enter_context(optimizer_defaults_for(device))
-            stack.enter_context(_modes_in_recompute(recorder))
-            if device == "cuda":
-                from .cuda import cuda_kernels
-                stack.enter_context(cuda_kernels())
-            if patches is not None:
-                stack.enter_context(patches())
-            if transform is not None:
-                transform(model)
-            inputs, symbols = make_inputs(specs, shape_env, hints,
-                                          driver.device if driver and train else "cpu", low)
+            inputs, symbols = _enter_run(stack, recorder, model, specs, config, hints, train,
+                                         transform, driver if driven else None, patches)
             model.train(train)
-            params = [p for p in dict.fromkeys(model.parameters())]
-            trainable = [p for p in params if p.requires_grad]
-            _check_precision(prec, model, trainable, train)
-            factory = optimizer or default_optimizer(device)
-            if driver is None:
-                factory = wrap_optimizer(prec, factory)
-            opt = factory(trainable) if train and driver is None else None
-            scaler = torch.amp.GradScaler("cpu") if train and prec.scaler else None
-            stack.enter_context(recorder)
-            stack.enter_context(recorder.watch_resizes())
-            stack.enter_context(recorder.skip_sharding_propagation())
-            stack.enter_context(module_tracking(model, recorder))
-            stack.enter_context(_no_cuda_autocast())
-            stack.enter_context(step_context(prec, device))
-            _register(recorder, model, inputs)
-            call = model
-            if compiled:
-                from .compiled import CompiledForward
-                call = CompiledForward(model, recorder)
-            if train and driver is not None:
-                call = driver.setup(model, trainable, factory)
-                # the engine may have replaced modules (DeepSpeed's AutoTP): hold only what the
-                # model holds now, as the user's program would
-                params = None
-                trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-                for _ in range(driver.warmup):
-                    loss = loss_fn(call(**inputs, **constants))
-                    driver.backward(loss)
-                    driver.step()
-                    loss = None
-                driver.label(recorder)
-                # what the warm-up left in reference cycles is collected before the step, and
-                # the collector does not run inside it (as the oracle measures it)
-                gc.collect()
-                if gc.isenabled():
-                    gc.disable()
-                    stack.callback(gc.enable)
-            elif train:
-                _warm_up(recorder, opt, trainable, device, scaler)
-            recorder.run.start = len(recorder.run.events)
-            if train and driver is not None:
-                out, loss = _driven_step(recorder, driver, call, inputs, constants, loss_fn,
-                                         keep_outputs)
-            elif train:
-                for p in trainable:
-                    stack.callback(p.register_post_accumulate_grad_hook(recorder.grad_ready).remove)
-                recorder.mark(Phase.ZERO_GRAD)
-                opt.zero_grad(set_to_none=True)
-                for _ in range(min(accumulate, 2)):
-                    recorder.mark(Phase.FORWARD)
-                    with torch.autograd.graph.saved_tensors_hooks(
-                            lambda t: (recorder.mark_saved(t), t)[1], lambda t: t):
-                        with forward_context(prec):
-                            out = call(**inputs, **constants)
-                            recorder.mark(Phase.LOSS)
-                            loss = loss_fn(out)
-                            _check_loss(loss)
-                            if accumulate > 1:
-                                loss = loss / accumulate
-                    if not keep_outputs:
-                        out = None  # only the loss is kept, as Hugging Face's Trainer does
-                    recorder.mark(Phase.BACKWARD)
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                    for p in trainable:
-                        if p.grad is not None:
-                            recorder.set_category(p.grad, Category.GRADIENT)
-                recorder.mark(Phase.OPTIMIZER)
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-            else:
-                recorder.mark(Phase.FORWARD)
-                with torch.no_grad(), forward_context(prec):
-                    out = call(**inputs, **constants)
+            step = _driven if driven else _plain if train else _inference
+            # what the step holds (its output, the loss, the optimizer) lives past the end of
+            # the recording, as a training loop holds it to the end of the step
+            held = step(stack, recorder, model, inputs, constants, config, driver)
             record = recorder.finish()
             record.specialized = list(recorder.specialized)
-            out = loss = None
+            del held
     except BaseException as e:  # noqa: BLE001 - re-raised as a typed error
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -429,48 +299,153 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], *, device: str,
     return record, shape_env, symbols
 
 
-class Driver:
-    """A training loop owned by a library (DeepSpeed's engine), in place of the plain one.
+def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, config, hints,
+               train: bool, transform, driver, patches):
+    """Enter the run's modes (the fake mode, fake parameters, the device's kernel choices) and
+    build the fake symbolic inputs; returns ``(inputs, symbols)``."""
+    prec = config.precision
+    low = prec.param_dtype if prec.param_dtype != torch.float32 else None  # *-true: cast
+    if driver is not None:
+        stack.enter_context(driver.context())
+        recorder.scalar_hook = driver.scalar
+        # host memory is apart from the device's only on a GPU (on the CPU it is all one)
+        recorder.host_device = driver.host_device if config.device == "cuda" else None
+    stack.enter_context(FakeTensorMode(shape_env=recorder.shape_env, allow_non_fake_inputs=True))
+    # with a driver the engine casts the model itself (float inputs are made in its dtype)
+    stack.enter_context(fake_module(model, "cpu", None if driver is not None else low))
+    stack.enter_context(optimizer_defaults_for(config.device))
+    stack.enter_context(_modes_in_recompute(recorder))
+    if config.device == "cuda":
+        from .cuda import cuda_kernels
+        stack.enter_context(cuda_kernels())
+    if patches is not None:
+        stack.enter_context(patches())
+    if transform is not None:
+        transform(model)
+    return make_inputs(specs, recorder.shape_env, hints,
+                       driver.device if driver is not None else "cpu", low)
 
-    :func:`run_step` calls ``setup`` once inside the symbolic run (its allocations are the
-    step's starting state), runs ``warmup`` whole steps, calls ``label`` to name what the
-    library holds (:meth:`Recorder.set_category`), then records one step::
 
-        out = call(**inputs)
-        loss = loss_fn(out)
+def _record(stack: contextlib.ExitStack, recorder: Recorder, model, inputs: dict, config
+            ) -> None:
+    """Start recording: the recorder and its helpers, then the tensors that exist already."""
+    stack.enter_context(recorder)
+    stack.enter_context(recorder.watch_resizes())
+    stack.enter_context(recorder.skip_sharding_propagation())
+    stack.enter_context(module_tracking(model, recorder))
+    stack.enter_context(_no_cuda_autocast())
+    stack.enter_context(step_context(config.precision, config.device))
+    _register(recorder, model, inputs)
+
+
+def _forward(model, recorder: Recorder, config):
+    """What runs the forward: the model, or its ``torch.compile`` partition."""
+    if config.compiled:
+        from .compiled import CompiledForward
+        return CompiledForward(model, recorder)
+    return model
+
+
+def _saving(recorder: Recorder):
+    """Autograd's saved-tensor hooks, marking what forward keeps for backward."""
+    return torch.autograd.graph.saved_tensors_hooks(
+        lambda t: (recorder.mark_saved(t), t)[1], lambda t: t)
+
+
+def _plain(stack, recorder: Recorder, model, inputs: dict, constants: dict, config,
+           driver=None) -> tuple:
+    """The plain eager training loop (module docstring), after a warm-up step."""
+    prec = config.precision
+    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    _check_precision(prec, model, trainable)
+    opt = wrap_optimizer(prec, optimizer_factory(config))(trainable)
+    scaler = torch.amp.GradScaler("cpu") if prec.scaler else None
+    loss_fn = config.loss_fn or default_loss
+    _record(stack, recorder, model, inputs, config)
+    call = _forward(model, recorder, config)
+    _warm_up(recorder, opt, trainable, config.device, scaler)
+    recorder.run.start = len(recorder.run.events)
+    for p in trainable:
+        stack.callback(p.register_post_accumulate_grad_hook(recorder.grad_ready).remove)
+    recorder.mark(Phase.ZERO_GRAD)
+    opt.zero_grad(set_to_none=True)
+    for _ in range(min(config.accumulate, 2)):
+        recorder.mark(Phase.FORWARD)
+        with _saving(recorder), forward_context(prec):
+            out = call(**inputs, **constants)
+            recorder.mark(Phase.LOSS)
+            loss = loss_fn(out)
+            _check_loss(loss)
+            if config.accumulate > 1:
+                loss = loss / config.accumulate
+        if not config.keep_outputs:
+            out = None  # only the loss is kept, as Hugging Face's Trainer does
+        recorder.mark(Phase.BACKWARD)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        for p in trainable:
+            if p.grad is not None:
+                recorder.set_category(p.grad, Category.GRADIENT)
+    recorder.mark(Phase.OPTIMIZER)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    return out, loss, opt, scaler, call  # all held to the end of the step
+
+
+def _inference(stack, recorder: Recorder, model, inputs: dict, constants: dict, config,
+               driver=None):
+    """``model.eval()`` and one forward under ``torch.no_grad()``."""
+    _record(stack, recorder, model, inputs, config)
+    call = _forward(model, recorder, config)
+    recorder.run.start = len(recorder.run.events)
+    recorder.mark(Phase.FORWARD)
+    with torch.no_grad(), forward_context(config.precision):
+        return call(**inputs, **constants), call
+
+
+def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, config,
+            driver: Driver) -> tuple:
+    """A library's loop (:class:`Driver`): its setup and warm-up steps, then one step."""
+    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    loss_fn = config.loss_fn or default_loss
+    _record(stack, recorder, model, inputs, config)
+    call = driver.setup(model, trainable, optimizer_factory(config))
+    for _ in range(driver.warmup):
+        loss = loss_fn(call(**inputs, **constants))
         driver.backward(loss)
         driver.step()
-    """
+        loss = None
+    driver.label(recorder)
+    # what the warm-up left in reference cycles is collected before the step, and the
+    # collector does not run inside it (as the oracle measures it)
+    gc.collect()
+    if gc.isenabled():
+        gc.disable()
+        stack.callback(gc.enable)
+    recorder.run.start = len(recorder.run.events)
+    return _driven_step(recorder, driver, call, inputs, constants, loss_fn,
+                        config.keep_outputs), call
 
-    warmup = 2
-    device = "cpu"  # the (fake) device the engine computes on; the inputs are made there
-    host_device = None  # where the engine puts host memory (offload), if it has any
 
-    def context(self) -> contextlib.AbstractContextManager:
-        """Entered around the whole symbolic run, outside the fake mode."""
-        return contextlib.nullcontext()
+def optimizer_factory(config) -> OptimizerFactory:
+    """The optimizer ``config`` names (:mod:`memsim.tracer.optimizers`) or gives, AdamW with
+    torch's defaults when none."""
+    opt = config.optimizer
+    if opt is None:
+        return default_optimizer(config.device)
+    if not isinstance(opt, str):
+        return opt
+    from .optimizers import lookup
+    entry = lookup(opt)
 
-    def setup(self, model: torch.nn.Module, params: list, optimizer: OptimizerFactory
-              ) -> Callable:
-        """Build the engine around ``model``; return what runs the forward."""
-        raise NotImplementedError
+    def make(params):
+        made = entry.factory(params)
+        made._memsim_host_state = entry.host_state
+        return made
 
-    def backward(self, loss: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def step(self) -> None:
-        raise NotImplementedError
-
-    def scalar(self, t: torch.Tensor):
-        """The value the engine's code reads with ``.item()`` from ``t`` (a fake tensor has
-        none), or None for memsim's default (:mod:`tracer.kernels`)."""
-        return None
-
-    def label(self, recorder: Recorder) -> None:
-        """Set the categories of what the engine holds (after the warm-up steps)."""
-
-    def label_gradients(self, recorder: Recorder) -> None:
-        """Set the categories of the gradients the backward produced."""
+    return make
 
 
 def _driven_step(recorder, driver, call, inputs, constants, loss_fn, keep_outputs):
@@ -492,15 +467,15 @@ def _driven_step(recorder, driver, call, inputs, constants, loss_fn, keep_output
     return out, loss  # held to the end of the step, as in a plain loop
 
 
-def _check_precision(prec, model: torch.nn.Module, trainable: list, train: bool) -> None:
+def _check_precision(prec, model: torch.nn.Module, trainable: list) -> None:
     """Combinations that cannot run get an error naming the setting."""
-    if not train or not prec.scaler:
+    if not prec.scaler:
         return
     names = {id(p): n for n, p in model.named_parameters()}
     half = [names.get(id(p), "?") for p in trainable if p.dtype == torch.float16]
     if half:
         raise InputError(
-            f"precision {prec.name!r} needs fp32 parameters, but {half[0]!r}"
+            f"precision {prec.value!r} needs fp32 parameters, but {half[0]!r}"
             + (f" and {len(half) - 1} more" if len(half) > 1 else "") + " are fp16: "
             "GradScaler cannot unscale fp16 gradients",
             hint="use precision='16-true' for an fp16 model, or build the model in fp32")
@@ -605,7 +580,7 @@ def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
 
     On CUDA, torch.optim keeps scalar ``step`` counters on the host unless the optimizer is
     ``capturable`` or ``fused``: those are marked as host memory. Master-weight optimizers
-    (:class:`tracer.precision.MasterWeights`) hold fp32 masters (optimizer state) and fp32
+    (:class:`memsim.tracer.precision.MasterWeights`) hold fp32 masters (optimizer state) and fp32
     gradient buffers (gradients). A GradScaler's scale and growth tracker are optimizer state.
     """
     from .precision import MasterWeights

@@ -73,6 +73,8 @@ from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from .common import default_loss
+
 __all__ = [
     "Plain", "FSDP2", "TP", "DeepSpeed", "RankMemory", "measure", "measure_step",
     "measure_deepspeed_step",
@@ -235,17 +237,6 @@ def llama_model(attn: str = "eager", layers: int = 2, use_cache: bool = False,
 def llama_inputs(batch: int = 2, seq: int = 16, vocab: int = 128) -> dict:
     ids = torch.randint(0, vocab, (batch, seq))
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def default_loss(out):
-    """``out.loss`` if present, else ``out`` if 0-dim, else the first float tensor ``.sum()``."""
-    if isinstance(getattr(out, "loss", None), torch.Tensor):
-        return out.loss
-    if isinstance(out, torch.Tensor):
-        return out if out.dim() == 0 else out.sum()
-    seq = out.to_tuple() if hasattr(out, "to_tuple") else out
-    return next(t for t in tree_flatten(seq)[0]
-                if isinstance(t, torch.Tensor) and t.is_floating_point()).sum()
 
 
 def adamw(params):

@@ -26,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .common import default_loss
+
 
 @dataclass(frozen=True)
 class Measurement:
@@ -124,16 +126,6 @@ def example_inputs(inputs: dict, point: dict[str, int], seed: int = 0) -> dict:
     return out
 
 
-def _loss(out):
-    if isinstance(getattr(out, "loss", None), torch.Tensor):
-        return out.loss
-    if isinstance(out, torch.Tensor):
-        return out if out.dim() == 0 else out.sum()
-    seq = out.to_tuple() if hasattr(out, "to_tuple") else out
-    return next(t for t in tree_flatten(seq)[0]
-                if isinstance(t, torch.Tensor) and t.is_floating_point()).sum()
-
-
 _MODES = {  # precision name -> (parameter dtype, autocast dtype, grad scaler, master weights)
     "32-true": (torch.float32, None, False, False),
     "bf16-mixed": (torch.float32, torch.bfloat16, False, False),
@@ -188,7 +180,7 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
     micro-batches (the same inputs) per optimizer step.
     """
     param_dtype, autocast, use_scaler, master = _MODES[precision]
-    loss_fn = loss_fn or _loss
+    loss_fn = loss_fn or default_loss
     if param_dtype != torch.float32:
         model.to(param_dtype)
         inputs = _cast_inputs(inputs, param_dtype)
@@ -297,7 +289,7 @@ def measure_compiled_train(model: torch.nn.Module, inputs: dict, loss_fn=None,
     """
     from torch.profiler import ProfilerActivity, profile
 
-    loss_fn = loss_fn or _loss
+    loss_fn = loss_fn or default_loss
     compiled = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
     model.train()
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))

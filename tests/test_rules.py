@@ -1,0 +1,163 @@
+"""The one registry of per-op decisions (memsim.tracer.rules) and the other registries: one way
+to register, duplicates rejected, and every registered entry reached by a test."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import oracles.dist as O
+import zoo
+from memsim.analysis.gpus import GPU, register_gpu
+from memsim.strategies import TensorParallel, analyze, register_strategy
+from memsim.strategies.ddp import DDP
+from memsim.tracer import MemsimError, StrategyError, UsageError
+from memsim.tracer.optimizers import register_optimizer
+from memsim.tracer.rules import Kind, hits, register, registered
+
+
+def test_duplicates_are_rejected_everywhere():
+    aten = next(r for r in registered(Kind.ATEN))
+    with pytest.raises(MemsimError, match="already registered"):
+        register(Kind.ATEN, aten.key, aten.value, device=aten.device)
+    with pytest.raises(MemsimError, match="already registered"):
+        register(Kind.AUTOCAST, F.layer_norm, "fp32", device="cuda")
+    with pytest.raises(UsageError, match="already registered"):
+        register_optimizer("lion", factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with pytest.raises(UsageError, match="already registered"):
+        register_optimizer("AdamW", factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with pytest.raises(MemsimError, match="in the catalog already"):
+        register_gpu("h100", "my H100", 1000, "hopper")
+    with pytest.raises(StrategyError, match="already registered"):
+        register_strategy(type("Again", (DDP,), {}))
+
+
+def test_malformed_entries_are_rejected():
+    with pytest.raises(MemsimError, match="OpOverload"):
+        register(Kind.ATEN, "aten.mm", lambda *a: None)
+    with pytest.raises(MemsimError, match="not one of"):
+        register(Kind.AUTOCAST, torch.tanh, "fp64", device="cuda")
+    with pytest.raises(MemsimError, match="device"):
+        register(Kind.FUNCTION, torch.tanh, lambda *a: None, device="tpu")
+
+
+class _Padded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(F.pad(x, (0, 0, 1, 1)))
+
+
+def _reached(run) -> set:
+    before = hits()
+    run()
+    after = hits()
+    return {k for k, v in after.items() if v > before.get(k, 0)}
+
+
+def _traces():
+    """Small programs that take every code path a rule stands for."""
+    SEQ = {"x": ("float32", ["B", "S", 32])}
+    meta = functools.partial(torch.device, "meta")
+    with meta():
+        drop = zoo.Block(sdpa=True, dropout=0.1)
+        cnn, full, pad = zoo.CNN(), zoo.FullSlices(), _Padded()
+        llama = O.llama_model()
+    # CUDA kernel choices (SDPA, dropout), CUDA LayerNorm statistics, autocast policy
+    analyze(drop, SEQ, device="cuda", precision="bf16-mixed", inference=False)
+    # BatchNorm statistics under autocast; whole-dimension slices; F.pad; optimizer .item()
+    analyze(cnn, {"x": ("float32", ["B", 3, 8, 8])}, device="cpu", precision="bf16-mixed",
+            inference=False)
+    analyze(full, {"x": ("float32", ["B", "S", 24])}, device="cpu", inference=False)
+    analyze(pad, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
+    # DTensor pads uneven shards inside its dispatch (aten.pad: sequence parallelism at an odd
+    # example S), collectives' waits
+    analyze(llama, {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])},
+            device="cpu", tp=TensorParallel(2, sequence_parallel=True), inference=False)
+
+
+def test_every_aten_and_function_rule_is_reached():
+    reached = _reached(_traces)
+    for r in registered(Kind.ATEN) + registered(Kind.FUNCTION):
+        assert (r.kind, r.key, r.device) in reached, f"{r.kind.value} rule {r.name} " \
+            f"({r.device}) was not applied by any trace here: add a program that needs it"
+
+
+# one call per CUDA autocast entry, with bf16 inputs
+_SAMPLES = {
+    "fp32": {
+        F.layer_norm: lambda x: F.layer_norm(x, (8,)), F.group_norm: lambda x: F.group_norm(
+            x.reshape(2, 4, 2), 2), torch.layer_norm: lambda x: torch.layer_norm(x, (8,)),
+        torch.group_norm: lambda x: torch.group_norm(x.reshape(2, 4, 2), 2),
+        torch.exp: torch.exp, torch.Tensor.exp: torch.Tensor.exp, torch.log: torch.log,
+        torch.Tensor.log: torch.Tensor.log, torch.pow: lambda x: torch.pow(x, 2),
+        torch.Tensor.pow: lambda x: x.pow(2), torch.Tensor.__pow__: lambda x: x ** 2,
+        torch.rsqrt: torch.rsqrt, torch.Tensor.rsqrt: torch.Tensor.rsqrt,
+        torch.logsumexp: lambda x: torch.logsumexp(x, -1),
+        torch.Tensor.logsumexp: lambda x: x.logsumexp(-1), torch.expm1: torch.expm1,
+        torch.log1p: torch.log1p, torch.reciprocal: torch.reciprocal, F.softplus: F.softplus,
+        F.kl_div: lambda x: F.kl_div(x, x, reduction="sum"), F.l1_loss: lambda x: F.l1_loss(x, x),
+        F.smooth_l1_loss: lambda x: F.smooth_l1_loss(x, x),
+        F.huber_loss: lambda x: F.huber_loss(x, x), F.mse_loss: lambda x: F.mse_loss(x, x),
+        F.cosine_similarity: lambda x: F.cosine_similarity(x, x),
+        getattr(F, "rms_norm", None): lambda x: F.rms_norm(x, (8,)),
+    },
+    "fp32_out": {
+        F.softmax: lambda x: F.softmax(x, -1), F.log_softmax: lambda x: F.log_softmax(x, -1),
+        torch.softmax: lambda x: torch.softmax(x, -1),
+        torch.log_softmax: lambda x: torch.log_softmax(x, -1),
+        torch.Tensor.softmax: lambda x: x.softmax(-1),
+        torch.Tensor.log_softmax: lambda x: x.log_softmax(-1), torch.sum: torch.sum,
+        torch.Tensor.sum: torch.Tensor.sum, torch.cumsum: lambda x: torch.cumsum(x, -1),
+        torch.Tensor.cumsum: lambda x: x.cumsum(-1), torch.prod: torch.prod,
+        torch.Tensor.prod: torch.Tensor.prod,
+    },
+}
+
+
+@pytest.mark.parametrize("entry", registered(Kind.AUTOCAST), ids=lambda r: r.name)
+def test_every_cuda_autocast_entry_gives_fp32(entry):
+    """Under CPU autocast with CUDA's policy on, each entry's function returns fp32 for bf16
+    input (CUDA's rule), where plain CPU autocast would keep bf16 for some."""
+    from memsim.tracer.precision import CudaAutocastPolicy
+
+    call = _SAMPLES[entry.value].get(entry.key)
+    assert call is not None, f"no sample call for {entry.name} ({entry.value}): add one here"
+    x = torch.rand(2, 8, dtype=torch.bfloat16) + 0.5
+    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastPolicy():
+        out = call(x)
+    assert out.dtype == torch.float32, entry.name
+
+
+@pytest.mark.parametrize("entry", registered(Kind.INDUCTOR), ids=lambda r: r.name)
+def test_every_inductor_entry_names_an_op(entry):
+    """Each entry names an ATen (or prims) op, and a node calling it is lowered as the entry
+    says (or as its pointwise tag says, which decides first)."""
+    from memsim.tracer.compiled import _kind
+
+    ns = torch.ops.aten if hasattr(torch.ops.aten, entry.key) else torch.ops.prims
+    packet = getattr(ns, entry.key)
+    op = getattr(packet, packet.overloads()[0])
+    kind = _kind(torch.fx.Graph().call_function(op, ()))
+    assert kind == entry.value or (kind == "pointwise" and torch.Tag.pointwise in op.tags), \
+        (entry.name, kind)
+
+
+@pytest.mark.parametrize("entry", registered(Kind.NAMESPACE), ids=lambda r: r.name)
+def test_every_checked_namespace_exists(entry):
+    import importlib
+    for mod in ("torch.distributed._functional_collectives", "torch.distributed.fsdp"):
+        importlib.import_module(mod)  # registers the distributed namespaces' ops
+    names = list(torch._C._dispatch_get_all_op_names())
+    names += [s.name for s in torch._C._jit_get_all_schemas()]   # prim:: ops (prim.device)
+    assert any(n.startswith(entry.key + "::") for n in names), entry.key
+
+
+def test_gpu_registry_takes_the_same_entry_twice():
+    g = register_gpu("test-twice", "Twice", 1234, "ada")
+    assert register_gpu("test-twice", "Twice", 1234, "ada") == g == GPU(
+        "test-twice", "Twice", 1234, "ada", "nvidia", "user")

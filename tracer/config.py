@@ -1,0 +1,164 @@
+"""What step is modelled: one frozen :class:`StepConfig`, validated once, passed down.
+
+Everything that describes the *step* (not the model, not a parallel strategy) lives here: the
+device whose kernels and allocator are modelled, the precision mode, the optimizer, the loss,
+what the loop keeps referenced, gradient accumulation, ``torch.compile``, and the sizes the
+symbolic run uses (example sizes) or may not exceed (the model's limits). Modes are Enums.
+
+>>> cfg = StepConfig(device="cpu", precision="bf16-mixed", hints={"B": 4})
+>>> cfg.device, cfg.precision, cfg.loop
+(<Device.CPU: 'cpu'>, <Precision.BF16_MIXED: 'bf16-mixed'>, <Loop.KEEP: 'kept'>)
+>>> cfg.keep_outputs, dict(cfg.hints)
+(True, {'B': 4})
+>>> StepConfig(device="tpu")
+Traceback (most recent call last):
+...
+memsim.tracer.errors.InputError: unknown device 'tpu' (did you mean 'cpu'?)
+  hint: use one of cuda, cpu
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .errors import InputError, did_you_mean
+from .precision import Precision
+from .records import Word
+
+
+class Device(Word):
+    """The device whose kernels and allocator are modelled (every run uses fake CPU tensors)."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class Loop(Word):
+    """What the training loop keeps referenced once the loss exists.
+
+    ``kept``: the forward output stays referenced through ``backward()`` and ``optimizer.step()``
+    (a plain ``out = model(x); loss = ...`` loop). ``dropped``: only the loss survives (Hugging
+    Face's Trainer, TRL, Lightning, torchtune, torchtitan)."""
+
+    KEEP = "kept"
+    DROP = "dropped"
+
+
+def _enum(cls, value, what: str):
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value))
+    except ValueError:
+        names = [m.value for m in cls]
+        raise InputError(f"unknown {what} {value!r}" + did_you_mean(str(value), names),
+                         hint=f"use one of {', '.join(names)}") from None
+
+
+def _sizes(value, what: str) -> dict[str, int]:
+    out = dict(value or {})
+    for k, v in out.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int):
+            raise InputError(f"{what} {k}={v!r}: expected a symbol name and an int",
+                             hint=f"e.g. {what}={{'S': 64}}")
+    return out
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """One training step (or inference forward) as the user runs it.
+
+    Attributes
+    ----------
+    device : Device
+        Whose kernels and allocator are modelled (``"cuda"`` default, ``"cpu"``).
+    precision : Precision
+        A mode of :mod:`memsim.tracer.precision` (``"32-true"`` default).
+    optimizer : str, callable or None
+        A name of :mod:`memsim.tracer.optimizers` (checked here), or ``factory(params)``;
+        None: AdamW with torch's defaults.
+    loss_fn : callable or None
+        ``loss_fn(output) -> scalar``; None: ``output.loss``, a scalar output, or the sum of the
+        first floating-point tensor of the output.
+    loop : Loop
+        What the loop keeps referenced once the loss exists (``"kept"`` default).
+    accumulate : int
+        Micro-batches per optimizer step (gradient accumulation), >= 1.
+    compiled : bool
+        The step under ``torch.compile(model, fullgraph=True)`` (:mod:`memsim.tracer.compiled`).
+    hints : mapping of str to int
+        Example sizes for the symbolic run (distinct, >= 2; checked against the inputs' symbols
+        when the trace starts).
+    limits : mapping of str to int
+        Upper bounds the model imposes on symbols (Hugging Face limits are found on their own).
+    """
+
+    device: Device = Device.CUDA
+    precision: Precision = Precision.TRUE32
+    optimizer: str | Callable | None = None
+    loss_fn: Callable | None = None
+    loop: Loop = Loop.KEEP
+    accumulate: int = 1
+    compiled: bool = False
+    hints: Mapping[str, int] = field(default_factory=dict)
+    limits: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen)
+        put("device", _enum(Device, self.device, "device"))
+        put("precision", Precision.parse(self.precision))
+        put("loop", _enum(Loop, self.loop, "loop"))
+        if isinstance(self.optimizer, str):
+            from .optimizers import lookup
+            lookup(self.optimizer)  # an unknown name fails here, before any trace
+        elif self.optimizer is not None and not callable(self.optimizer):
+            raise InputError(f"optimizer={self.optimizer!r} is neither a name nor a factory",
+                             hint="e.g. optimizer='adamw8bit' or optimizer=lambda ps: SGD(ps)")
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) \
+                or self.accumulate < 1:
+            raise InputError(f"accumulate={self.accumulate!r} must be an int >= 1",
+                             hint="micro-batches per optimizer step")
+        put("compiled", bool(self.compiled))
+        put("hints", _sizes(self.hints, "hints"))
+        put("limits", _sizes(self.limits, "limits"))
+
+    def __hash__(self) -> int:
+        return hash((self.device, self.precision, self.optimizer, self.loss_fn, self.loop,
+                     self.accumulate, self.compiled, tuple(sorted(self.hints.items())),
+                     tuple(sorted(self.limits.items()))))
+
+    @property
+    def keep_outputs(self) -> bool:
+        return self.loop is Loop.KEEP
+
+    def replace(self, **changes: Any) -> "StepConfig":
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def fixing(self, fixed: Mapping[str, int]) -> "StepConfig":
+        """The config for a trace with the symbols in ``fixed`` given as integers: their example
+        sizes and limits no longer apply."""
+        return self.replace(hints={k: v for k, v in self.hints.items() if k not in fixed},
+                            limits={k: v for k, v in self.limits.items() if k not in fixed})
+
+    @classmethod
+    def of(cls, config: "StepConfig | None" = None, **options: Any) -> "StepConfig":
+        """``config`` (or the defaults) with keyword ``options``: the fields above, plus
+        ``keep_outputs=True|False`` for ``loop``. Unknown names are an error naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if "keep_outputs" in options:
+            keep = options.pop("keep_outputs")
+            options["loop"] = Loop.KEEP if keep else Loop.DROP
+        if config is not None and not isinstance(config, cls):
+            raise InputError(f"config must be a StepConfig, got {type(config).__name__}",
+                             hint="StepConfig(device='cpu', precision='bf16-mixed', ...)")
+        unknown = [k for k in options if k not in names]
+        if unknown:
+            raise InputError(f"unknown option {unknown[0]!r}" + did_you_mean(
+                unknown[0], sorted(names | {"keep_outputs"})),
+                hint=f"step options: {', '.join(sorted(names | {'keep_outputs'}))}")
+        options = {k: v for k, v in options.items() if v is not None or k in
+                   ("optimizer", "loss_fn")}
+        return (config or cls()).replace(**options) if options else (config or cls())

@@ -1,0 +1,51 @@
+"""A training loop owned by a library (DeepSpeed's engine), in place of the plain one."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+
+class Driver:
+    """A training loop owned by a library (DeepSpeed's engine), in place of the plain one.
+
+    :func:`memsim.tracer.step.run_step` calls ``setup`` once inside the symbolic run (its
+    allocations are the step's starting state), runs ``warmup`` whole steps, calls ``label`` to
+    name what the library holds (:meth:`Recorder.set_category`), then records one step::
+
+        out = call(**inputs)
+        loss = loss_fn(out)
+        driver.backward(loss)
+        driver.step()
+    """
+
+    warmup = 2
+    device = "cpu"  # the (fake) device the engine computes on; the inputs are made there
+    host_device = None  # where the engine puts host memory (offload), if it has any
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Entered around the whole symbolic run, outside the fake mode."""
+        return contextlib.nullcontext()
+
+    def setup(self, model: torch.nn.Module, params: list, optimizer: Callable) -> Callable:
+        """Build the engine around ``model``; return what runs the forward."""
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def scalar(self, t: torch.Tensor):
+        """The value the engine's code reads with ``.item()`` from ``t`` (a fake tensor has
+        none), or None for memsim's default (:mod:`memsim.tracer.kernels`)."""
+        return None
+
+    def label(self, recorder) -> None:
+        """Set the categories of what the engine holds (after the warm-up steps)."""
+
+    def label_gradients(self, recorder) -> None:
+        """Set the categories of the gradients the backward produced."""

@@ -1,0 +1,256 @@
+"""The trace: a module's step run symbolically, in the user's symbols.
+
+>>> import torch
+>>> from memsim.tracer import StepConfig, trace
+>>> t = trace(torch.nn.Linear(8, 4), {"input": ("float32", ["B", 8])}, StepConfig(device="cpu"),
+...           train=False)
+>>> sorted(map(str, t.symbols.values()))
+['B']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import sympy
+import torch
+
+from .config import StepConfig
+from .driver import Driver
+from .errors import DataDependentError, InputError, SpecializationError
+from .records import Category, LeafRecord, Phase, RunRecord, Storage
+from .spec import TensorSpec, is_tensor_spec, make_spec, symbol
+from .step import run_step
+
+# Example sizes for the symbolic run: distinct, >= 2 (0 and 1 specialize), and primes so that
+# they rarely equal a constant size of the model (which would tie the symbol to it).
+_DEFAULT_HINTS = (5, 7, 11, 13, 17, 19, 23, 29)
+
+
+@dataclass
+class Trace:
+    """One symbolic run, with sizes in the user's symbols.
+
+    Attributes
+    ----------
+    run : RunRecord
+        Storages (``nbytes`` in the user's symbols), events and ops.
+    symbols : dict of str to sympy.Symbol
+    hints : dict of str to int
+        The example sizes the run used.
+    device : str
+        The device type modelled.
+    train : bool
+        Training step (True) or inference forward (False).
+    ranges : dict of str to (int, int or None)
+        Range of each symbol the trace is valid for (from the run's guards and model limits).
+    guards : list of str
+        Other shape conditions the run assumed (in the user's symbols).
+    conditions : list of sympy relations
+        The guards that are not plain bounds (``Eq(Mod(S, 2), 0)``: DTensor shards S evenly
+        only when it divides; ``Ne(Mod(B, 2), 0)``): the run's code paths depend on them, so
+        the formulas are known to hold only where they are all true (a point where one is false
+        is traced again: :meth:`memsim.analysis.Report.for_point`).
+    """
+
+    run: RunRecord
+    symbols: dict[str, sympy.Symbol]
+    hints: dict[str, int]
+    device: str
+    train: bool
+    ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    guards: list[str] = field(default_factory=list)
+    conditions: list = field(default_factory=list)
+
+    def fx_graph(self) -> torch.fx.Graph:
+        from .graph import to_fx
+        return to_fx(self.run)
+
+    def graph(self):
+        """The run as a ``networkx.DiGraph`` (see :func:`memsim.tracer.graph.to_networkx`)."""
+        from .graph import to_networkx
+        return to_networkx(self.run)
+
+
+def _hints(specs: list[TensorSpec], given: dict[str, int] | None) -> dict[str, int]:
+    given = dict(given or {})
+    names = list(dict.fromkeys(n for s in specs for n in s.symbols))
+    for n, v in given.items():
+        if n not in names:
+            raise InputError(f"example size given for {n!r}, which no input uses",
+                             hint=f"symbols: {', '.join(names) or '(none)'}")
+        if not isinstance(v, int) or v < 2:
+            raise InputError(f"example size {n}={v!r} must be an int >= 2",
+                             hint="0 and 1 make PyTorch specialize the size")
+    pool = [h for h in _DEFAULT_HINTS if h not in given.values()]
+    out = {}
+    for n in names:
+        out[n] = given[n] if n in given else pool.pop(0)
+    if len(set(out.values())) != len(out):
+        raise InputError(f"example sizes must be distinct, got {out}",
+                         hint="equal example sizes merge two symbols into one")
+    return out
+
+
+def _pretty_bound(v) -> int | None:
+    try:
+        if v in (sympy.oo, -sympy.oo) or str(v) in ("int_oo", "-int_oo", "oo", "-oo"):
+            return None
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None, *,
+          train: bool = True, transform: Callable | None = None, driver: Driver | None = None,
+          patches: Callable | None = None, **options) -> Trace:
+    """Run ``model`` symbolically and return its :class:`Trace`.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Parameters may be on the meta device: the model is never materialized.
+    inputs : dict
+        ``{name: (dtype, shape)}`` for tensors (shape entries are ints or symbol names), or
+        ``{name: TensorSpec}``; any other value is passed to ``forward`` as a constant.
+    config : StepConfig, optional
+        The step (device, precision, optimizer, loop...); the defaults when None.
+    train : bool
+        Trace the training step (see :mod:`memsim.tracer.step`) or an inference forward.
+    transform : callable, optional
+        ``transform(model)`` applied to a copy of the model with fake parameters, inside the
+        symbolic run and before the optimizer is built (see :mod:`memsim.strategies`).
+    driver : Driver, optional
+        Owns the training loop (e.g. DeepSpeed's engine) in place of the plain one.
+    patches : callable, optional
+        A context-manager factory entered for the run (Hugging Face's scoped patches).
+    **options
+        Fields of :class:`StepConfig` (``device="cpu"``...), applied over ``config``.
+    """
+    config = StepConfig.of(config, **options)
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"expected an nn.Module, got {type(model).__name__}")
+    specs, constants = [], {}
+    for name, value in inputs.items():
+        if is_tensor_spec(value):
+            specs.append(make_spec(name, value))
+        else:
+            constants[name] = value
+    hint_map = _hints(specs, config.hints)
+    run, shape_env, table = run_step(model, specs, constants, config, hints=hint_map,
+                                     train=train, transform=transform, driver=driver,
+                                     patches=patches)
+    user = {n: symbol(n) for n in table.raw}
+    to_user = {raw: user[n] for n, raw in table.raw.items()}
+    ranges, guards, conditions = _validity(shape_env, table, to_user, config.limits,
+                                           run.specialized)
+    cache: dict = {}
+
+    def to_user_expr(e: sympy.Expr) -> sympy.Expr:
+        if e not in cache:
+            cache[e] = _in_range(sympy.expand(shape_env.replace(e).xreplace(to_user)), user,
+                                 ranges)
+        return cache[e]
+
+    run = _in_user_symbols(run, to_user_expr)
+    _classify(run)
+    return Trace(run, user, hint_map, config.device, train, ranges, guards, conditions)
+
+
+def _in_user_symbols(run: RunRecord, fn) -> RunRecord:
+    """The run with every size and output shape in the user's symbols (a new record)."""
+    storages = [replace(s, nbytes=fn(s.nbytes)) for s in run.storages]
+    for s in storages:
+        _check_backed(s)
+    return replace(run, storages=storages, ops=_map_shapes(run.ops, fn))
+
+
+def _classify(run: RunRecord) -> None:
+    """Label the forward's storages still alive when backward starts as activations (the
+    record is the trace's own, not yet handed out)."""
+    ends = run.phase_ends
+    if Phase.LOSS not in ends:
+        return
+    cut = ends[Phase.LOSS]
+    freed_before = {ev.sid for ev in run.events[:cut] if ev.sign < 0}
+    for s in run.storages:
+        if (s.phase in (Phase.FORWARD, Phase.LOSS) and s.category is Category.TEMPORARY
+                and s.sid not in freed_before):
+            s.category = Category.ACTIVATION
+
+
+def _map_shapes(ops: list, fn) -> list:
+    """Every recorded output shape in the user's symbols (records are frozen)."""
+    def meta(m):
+        return replace(m, shape=tuple(fn(d) for d in m.shape))
+
+    return [replace(rec, meta=meta(rec.meta)) if isinstance(rec, LeafRecord) else
+            replace(rec, outputs=tuple(meta(m) for m in rec.outputs),
+                    flops=fn(rec.flops) if rec.flops else rec.flops) for rec in ops]
+
+
+def _in_range(expr: sympy.Expr, user: dict, ranges: dict) -> sympy.Expr:
+    """Simplify ``Max``/``Min`` of sizes using each symbol's lower bound (``Max(1, S-1)`` is
+    ``S-1`` for ``S >= 2``)."""
+    if expr.is_polynomial(*user.values()):
+        return expr
+    shift = {}
+    for n, sym in user.items():
+        y = sympy.Symbol(f"_{n}_y", integer=True, nonnegative=True)
+        shift[sym] = (y, ranges[n][0])
+    fwd = expr.xreplace({s: y + lo for s, (y, lo) in shift.items()})
+    back = sympy.expand(fwd.xreplace({y: s - lo for s, (y, lo) in shift.items()}))
+    return back
+
+
+def _check_backed(s: Storage) -> None:
+    free = [x for x in s.nbytes.free_symbols if not x.name.isidentifier() or
+            x.name.startswith(("u", "s")) and x.name[1:].isdigit()]
+    if free:
+        raise DataDependentError(
+            f"the size of a tensor depends on tensor values ({s.nbytes} bytes)",
+            module=s.module, op=s.op,
+            hint="ops such as nonzero/masked_select/unique have data-dependent sizes; "
+                 "memsim cannot give a formula for them")
+
+
+def _validity(shape_env, table, to_user, limits, specialized=()):
+    """Ranges of validity per symbol and the other guards, in the user's symbols."""
+    for name, raw in table.raw.items():
+        rep = shape_env.replacements.get(raw)
+        if rep is not None and rep != raw:
+            op = module = where = None
+            for sym, _, op_, mod_, src in specialized:
+                if sym == raw:
+                    op, module, where = op_, mod_, src
+                    break
+            raise SpecializationError(
+                f"the model's code ties symbol {name} to {rep.xreplace(to_user)} "
+                f"(example size {table.hints[name]})", source=where, op=op, module=module,
+                hint=f"give {name} as a fixed integer, or a different example size "
+                     f"(--hint {name}=N, Python hints={{'{name}': N}}) if it only matched a "
+                     "constant by chance")
+    ranges = {}
+    for name, raw in table.raw.items():
+        vr = shape_env.var_to_range.get(raw)
+        lo = _pretty_bound(vr.lower) if vr is not None else 2
+        hi = _pretty_bound(vr.upper) if vr is not None else None
+        if name in limits:
+            hi = limits[name] if hi is None else min(hi, limits[name])
+        ranges[name] = (lo if lo is not None else 2, hi)
+    conditions = []
+    for g in shape_env.guards:
+        e = g.expr.xreplace(to_user)
+        if e is sympy.true or (len(e.free_symbols) == 1 and _is_bound(e)):
+            continue  # single-symbol bounds are already in var_to_range
+        conditions.append(e)
+    conditions = list(dict.fromkeys(conditions))
+    return ranges, [str(c) for c in conditions], conditions
+
+
+def _is_bound(rel) -> bool:
+    """``S <= 1024``, ``2*B > 3``: an inequality between polynomials."""
+    return isinstance(rel, (sympy.LessThan, sympy.StrictLessThan, sympy.GreaterThan,
+                            sympy.StrictGreaterThan)) and all(
+        side.is_polynomial(*rel.free_symbols) for side in rel.args)
