@@ -9,7 +9,8 @@ and :mod:`~memsim.analysis.gpus` (a step against a GPU), :mod:`~memsim.analysis.
 """
 
 from .memory import ModuleSaved, PeakPoint, StepMemory
-from .report import TRAIN_FIELDS, Report, Retracer, analyze, fix_inputs
+from .report import (TRAIN_FIELDS, Regime, Report, Retracer, analyze, explore, fix_inputs,
+                     pinning_fixed)
 
-__all__ = ["analyze", "Report", "Retracer", "StepMemory", "ModuleSaved", "PeakPoint",
-           "TRAIN_FIELDS", "fix_inputs"]
+__all__ = ["analyze", "explore", "pinning_fixed", "Report", "Regime", "Retracer", "StepMemory",
+           "ModuleSaved", "PeakPoint", "TRAIN_FIELDS", "fix_inputs"]

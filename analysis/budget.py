@@ -215,7 +215,7 @@ def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: li
     """
     if name not in report.symbols:
         return None
-    lo, hi = report.ranges.get(name, (2, None))
+    lo, hi = report.extent.get(name, (2, None))
 
     def fits(v: int) -> bool:
         return model.total({**point, name: v}) <= usable
@@ -254,12 +254,12 @@ def sweep(report, point: dict[str, int], *, gpu: GPU | None = None, capacity: in
     capacity = gpu.bytes if (capacity is None and gpu is not None) else capacity
     step_name = "train" if report.train is not None else "inference"
     model = _Model(report, step_name, overheads or Overheads(), gpu.family if gpu else "unknown")
-    s_lo, s_hi = report.ranges.get(seq, (2, None))
+    s_lo, s_hi = report.extent.get(seq, (2, None))
     seqs = [s for s in seqs if s >= s_lo and (s_hi is None or s <= s_hi)]
     if s_hi is not None and s_hi not in seqs and (not seqs or s_hi > seqs[-1]):
         seqs.append(s_hi)
     if batch in report.symbols:
-        b_lo = report.ranges.get(batch, (2, None))[0]
+        b_lo = report.extent.get(batch, (2, None))[0]
         base = point.get(batch, b_lo)
         batches = batches or sorted({max(b_lo, v) for v in (base, 2, 4, 8, 16, 32)})
     else:

@@ -82,11 +82,13 @@ class StepMemory:
             lo, hi = self.ranges.get(n, (2, None))
             if v < lo or (hi is not None and v > hi):
                 rng = f"{lo} <= {n}" + (f" <= {hi}" if hi is not None else "")
+                limit = self.trace.limits.get(n)
                 raise OutOfRangeError(
                     f"{n}={v} is outside the range the formula holds for ({rng})",
-                    hint=(f"give {n} as the fixed size {v} in the input shapes to analyse that "
-                          "case on its own" if v < lo else
-                          f"the model itself does not accept {n} > {hi}"))
+                    hint=(f"the model itself does not accept {n} > {limit}"
+                          if limit is not None and v > limit else
+                          "a code path of the trace holds there only (a size-1 dimension, a "
+                          "kernel choice, a window): Report.for_point traces that case"))
         return {self.trace.symbols[n]: v for n, v in point.items()}
 
     def violated(self, point: dict[str, int]) -> list:

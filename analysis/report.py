@@ -12,8 +12,8 @@ Max(80*B + 14932, 208*B + 10840, 464*B + 8664)
 >>> r.at(B=1)
 Traceback (most recent call last):
 ...
-memsim.tracer.errors.OutOfRangeError: B=1 is below the range the formulas hold for (2 <= B)
-  hint: report.for_point({'B': 1}) traces that case on its own (one more symbolic run): size-1 dimensions and other code paths differ in PyTorch
+memsim.tracer.errors.OutOfRangeError: B=1 is outside the range the formulas hold for (2 <= B)
+  hint: report.for_point({'B': 1}) traces that case (one more symbolic run): size-1 dimensions and other code paths differ in PyTorch
 >>> sub, pt = r.for_point({"B": 1})
 >>> sub.fixed, sub.at(**pt)["train"]["peak"]
 ({'B': 1}, 15012)
@@ -21,14 +21,14 @@ memsim.tracer.errors.OutOfRangeError: B=1 is below the range the formulas hold f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 import sympy
 import torch
 
-from memsim.tracer import (InputError, OutOfRangeError, StepConfig, TensorSpec, is_tensor_spec,
-                           make_spec, trace)
+from memsim.tracer import (InputError, OutOfRangeError, SpecializationError, StepConfig,
+                           TensorSpec, TraceError, is_tensor_spec, make_spec, trace)
 from memsim.tracer import hf
 
 from .memory import ModuleSaved, StepMemory, module_savings, step_memory
@@ -57,12 +57,37 @@ class Retracer:
     def __call__(self, fixed: Mapping[str, int], already: Mapping[str, int] | None = None):
         """The analysis with the symbols in ``fixed`` given as integers (``already``: those the
         report was traced with fixed before)."""
-        key = tuple(sorted(fixed.items()))
+        key = ("fixed",) + tuple(sorted(fixed.items()))
         if key not in self.cache:
             self.cache[key] = self.analyze(self.model, fix_inputs(self.inputs, fixed),
                                            self.config.fixing(fixed),
-                                           fixed={**(already or {}), **fixed}, **self.options)
+                                           fixed={**(already or {}), **fixed}, explore=False,
+                                           **self.options)
         return self.cache[key]
+
+    def moved(self, hints: Mapping[str, int], already: Mapping[str, int] | None = None):
+        """The analysis traced at other example sizes (``hints`` over the config's): across a
+        guard of the code path, the formulas of the other side."""
+        key = ("hints",) + tuple(sorted(hints.items()))
+        if key not in self.cache:
+            self.cache[key] = self.analyze(
+                self.model, self.inputs, self.config.replace(hints={**self.config.hints,
+                                                                    **hints}),
+                fixed=dict(already or {}), explore=False, **self.options)
+        return self.cache[key]
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Sizes ``lo..hi`` of one symbol where the step takes another code path than the report's
+    own (past a guard of its trace: a kernel choice, a sliding window), with other formulas:
+    ``report``, traced with that symbol's example size ``hint`` in the range."""
+
+    symbol: str
+    lo: int
+    hi: int | None
+    hint: int
+    report: "Report" = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -85,6 +110,12 @@ class Report:
         Symbols of the user's inputs that this report was traced with fixed (see
         :meth:`for_point`).
     notes : tuple of str
+    regimes : tuple of Regime
+        Where a symbol's sizes past a guard of the trace take another code path with other
+        formulas (:func:`explore`); :meth:`for_point` answers there from the regime's report.
+    checked : dict of str to tuple of int
+        Example sizes each symbol was traced at whose formulas equal these (across guards of
+        the code path that change nothing), so that the ranges reach past those guards.
     retracer : Retracer or None
         How to trace again with sizes fixed (:meth:`for_point`); None: this report cannot.
     """
@@ -97,6 +128,8 @@ class Report:
     other_ops: Mapping[str, int] = field(default_factory=dict)
     fixed: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    regimes: tuple[Regime, ...] = ()
+    checked: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     retracer: Retracer | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -143,57 +176,110 @@ class Report:
                 out[n] = (max(lo, plo), min(his) if his else None)
         return out
 
+    def limit(self, name: str) -> int | None:
+        """The model's own upper limit on symbol ``name`` (given, or a Hugging Face model's
+        positions), or None."""
+        lims = [st.trace.limits[name] for st in (self.train, self.inference)
+                if st is not None and name in st.trace.limits]
+        return min(lims) if lims else None
+
+    @property
+    def extent(self) -> dict[str, tuple[int, int | None]]:
+        """Range per symbol that this report answers for, its regimes included."""
+        out = dict(self.ranges)
+        for r in self.regimes:
+            lo, hi = out[r.symbol]
+            out[r.symbol] = (min(lo, r.lo), None if hi is None or r.hi is None else
+                             max(hi, r.hi))
+        return out
+
     def needs_retrace(self, point: Mapping[str, int]) -> dict[str, int]:
         """The sizes of ``point`` that this report's formulas do not cover and that
-        :meth:`for_point` would trace with fixed: sizes below a symbol's range, or, failing
-        those, the symbols of a trace condition that is false at ``point``. Empty: covered."""
-        fix = {}
+        :meth:`for_point` traces: sizes below a symbol's range or past a guard of its code path
+        (not past the model's own limit), or, failing those, the symbols of a trace condition
+        that is false at ``point``. Empty: covered."""
+        out = {}
         for n, v in point.items():
-            lo = self.ranges.get(n, (2, None))[0]
-            if n in self.symbols and isinstance(v, int) and 0 < v < lo:
-                fix[n] = v
-        if not fix:
+            if n not in self.symbols or not isinstance(v, int):
+                continue
+            lo, hi = self.ranges.get(n, (2, None))
+            limit = self.limit(n)
+            if 0 < v < lo or (hi is not None and v > hi and (limit is None or v <= limit)):
+                out[n] = v
+        if not out:
             for step in (self.train, self.inference):
                 for cond in step.violated(point) if step is not None else ():
-                    fix.update({x.name: point[x.name] for x in cond.free_symbols})
-        return fix
+                    out.update({x.name: point[x.name] for x in cond.free_symbols})
+        return out
 
     def for_point(self, point: Mapping[str, int]) -> tuple["Report", dict[str, int]]:
         """The report that covers ``point``, and the point in its symbols. **May trace
         again.**
 
-        A size below a symbol's range (``B = 1`` for a formula valid from ``B >= 2``) takes
-        other paths in PyTorch (size-1 dimensions broadcast, skip copies): that case is traced
-        on its own, with the symbol fixed to its value, by :attr:`retracer` (once per value,
-        cached there). So is a point where one of the traces' conditions is false
-        (``Eq(Mod(S, 2), 0)`` from an even example size, say): the symbols of those conditions
-        are fixed to the point's values.
+        A size of 1 (below every formula's range: size-1 dimensions broadcast and skip copies
+        in PyTorch), or a point where one of the traces' conditions is false
+        (``Eq(Mod(S, 2), 0)`` from an even example size, say), is traced on its own with those
+        symbols fixed to the point's values. A size past a guard of the code path (a kernel
+        choice, a sliding window: not the model's own limit) is answered by the regime that
+        covers it (:attr:`regimes`), else traced symbolically at an example size across the
+        guard. Each retrace runs once, by :attr:`retracer`, and is cached there.
         """
-        fix = self.needs_retrace(point)
-        if not fix or self.retracer is None:
+        need = self.needs_retrace(point) if self.retracer is not None else {}
+        if not need:
             return self, dict(point)
-        sub = self.retracer(fix, self.fixed)
-        return sub.for_point({n: v for n, v in point.items() if n not in fix})
+        moved = {n: v for n, v in need.items() if v >= 2 and not self._inside(n, v)}
+        if moved:
+            n, v = next(iter(moved.items()))
+            sub = self._across(n, v)
+            return sub.for_point({k: x for k, x in point.items() if k in sub.symbols})
+        sub = self.retracer(need, self.fixed)
+        return sub.for_point({n: v for n, v in point.items() if n not in need})
+
+    def _inside(self, name: str, v: int) -> bool:
+        lo, hi = self.ranges.get(name, (2, None))
+        return lo <= v and (hi is None or v <= hi)
+
+    def _across(self, name: str, v: int) -> "Report":
+        """The report for symbol ``name`` at size ``v``, past a guard of this one's code path:
+        a regime of it, or a trace at an example size across the guard."""
+        for r in self.regimes:
+            if r.symbol == name and r.lo <= v and (r.hi is None or v <= r.hi):
+                return r.report
+        hint = probe_size(self, name, v)
+        try:
+            return self.retracer.moved({name: hint}, self.fixed)
+        except SpecializationError:
+            # the code path at that size pins it (a slice as long as the dimension, say):
+            # exact there, traced with the size fixed
+            return self.retracer({name: v}, self.fixed)
+        except TraceError as e:
+            lo, hi = self.ranges[name]
+            raise OutOfRangeError(
+                f"{name}={v}: the model's code fails past {name}={hi if v > hi else lo} "
+                f"(traced at {name}={hint}: {e.message})",
+                hint=f"its own limit, then: sizes {lo}..{hi} are covered") from e
 
     def at(self, **point: int) -> dict:
         """Every figure evaluated at ``point`` (plain ints), from this report's formulas.
 
-        A point they do not cover (below a symbol's range, or where a trace condition is
-        false) is an :class:`OutOfRangeError` naming :meth:`for_point`, which traces it."""
+        A point they do not cover (below a symbol's range, past a guard of the code path, or
+        where a trace condition is false) is an :class:`OutOfRangeError` naming
+        :meth:`for_point`, which traces it."""
         fix = self.needs_retrace(point) if self.retracer is not None else {}
         if fix:
             where = ", ".join(f"{k}={v}" for k, v in fix.items())
-            below = [f"{lo} <= {n}" + (f" <= {hi}" if hi is not None else "")
-                     for n, (lo, hi) in self.ranges.items() if n in fix and fix[n] < lo]
+            outside = [f"{lo} <= {n}" + (f" <= {hi}" if hi is not None else "")
+                       for n, (lo, hi) in self.ranges.items() if n in fix
+                       and not self._inside(n, fix[n])]
             false = [str(c) for step in (self.train, self.inference) if step is not None
                      for c in step.violated(point)]
-            why = (f"{where} is below the range the formulas hold for ({', '.join(below)})"
-                   if below else f"at {where} a condition of the trace is false "
+            why = (f"{where} is outside the range the formulas hold for ({', '.join(outside)})"
+                   if outside else f"at {where} a condition of the trace is false "
                    f"({'; '.join(false)}): the formulas do not cover that point")
             raise OutOfRangeError(
                 why,
-                hint=f"report.for_point({dict(point)!r}) traces that case on its own (one more "
-                     "symbolic run): size-1 dimensions and other code paths differ in PyTorch")
+                hint=f"report.for_point({dict(point)!r}) traces that case (one more symbolic "
+                     "run): size-1 dimensions and other code paths differ in PyTorch")
         out: dict = {}
         if self.train is not None:
             out["train"] = {f: self.train.evaluate(getattr(self.train, f), point)
@@ -209,7 +295,8 @@ def _module_types(model: torch.nn.Module) -> dict[str, str]:
 
 def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None, *,
             train: bool = True, inference: bool = True, transform=None, driver=None,
-            fixed: Mapping[str, int] | None = None, **options) -> Report:
+            fixed: Mapping[str, int] | None = None, explore: bool = True,
+            **options) -> Report:
     """Trace ``model`` and return the symbolic :class:`Report` of a step.
 
     Parameters
@@ -233,6 +320,9 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
     fixed : dict, optional
         The symbols of the user's inputs that ``inputs`` gives as integers (set when a report
         traces a point again: :meth:`Report.for_point`).
+    explore : bool
+        Follow each symbol past the guards of the code path up to the model's own limit
+        (:func:`explore`: one more trace per guard).
     **options
         Fields of :class:`~memsim.tracer.StepConfig` (``device="cpu"``,
         ``keep_outputs=False``...), applied over ``config`` and validated once.
@@ -257,10 +347,117 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
     if tr_step is None and inf_step is None:
         raise InputError("nothing to analyse: both train and inference are off")
     first = tr_step or inf_step
-    return Report(config, first.trace.symbols, tr_step, inf_step, tuple(modules), other,
-                  fixed=dict(fixed or {}), notes=tuple(_compiled_notes(config, first)),
-                  retracer=Retracer(analyze, model, inputs, config, dict(
-                      train=train, inference=inference, transform=transform, driver=driver)))
+    report = Report(config, first.trace.symbols, tr_step, inf_step, tuple(modules), other,
+                    fixed=dict(fixed or {}), notes=tuple(_compiled_notes(config, first)),
+                    retracer=Retracer(analyze, model, inputs, config, dict(
+                        train=train, inference=inference, transform=transform, driver=driver)))
+    return globals()["explore"](report) if explore else report
+
+
+def probe_size(report: Report, name: str, v: int) -> int:
+    """An example size for symbol ``name`` across the guard of ``report``'s code path that ``v``
+    lies beyond: the smallest prime past the range's end (the largest below its start), not
+    another symbol's example size and within the model's limit; ``v`` where none is."""
+    lo, hi = report.ranges[name]
+    taken = set((report.train or report.inference).trace.hints.values())
+    limit = report.limit(name)
+    if hi is not None and v > hi:
+        p = sympy.nextprime(hi)
+        while p in taken:
+            p = sympy.nextprime(p)
+        return int(p) if limit is None or p <= limit else v
+    p = sympy.prevprime(lo) if lo > 2 else None
+    while p is not None and p in taken:
+        p = sympy.prevprime(p) if p > 2 else None
+    return int(p) if p is not None and p >= max(2, v) else v
+
+
+def _same_figures(a: Report, b: Report) -> bool:
+    """One code path, as far as memory goes: the same allocations and releases, in the same
+    order, of the same sizes and categories, under the same conditions (their peaks are then
+    the same function of the sizes, however each trace's range pruned its candidates)."""
+    for x, y in ((a.train, b.train), (a.inference, b.inference)):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and (_timeline(x) != _timeline(y)
+                              or set(x.trace.conditions) != set(y.trace.conditions)):
+            return False
+    return True
+
+
+def _timeline(step: StepMemory) -> list:
+    run = step.trace.run
+    return [(e.sign, run.storages[e.sid].nbytes, run.storages[e.sid].category,
+             run.storages[e.sid].device) for e in run.events]
+
+
+def _widened(step: StepMemory | None, name: str, hi: int | None) -> StepMemory | None:
+    if step is None:
+        return None
+    lo = step.ranges[name][0]
+    return replace(step, trace=replace(step.trace, ranges={**step.ranges, name: (lo, hi)}))
+
+
+def explore(report: Report) -> Report:
+    """``report`` with each symbol followed past the guards of its code path, up to the model's
+    own limit.
+
+    A guard (PyTorch picking a convolution backend below a batch of 16, a sliding window's mask
+    path up to the window) ends a trace's range below the model's limit; it is a condition of
+    the code path, not a limit of the model. Each is crossed by tracing once more at an example
+    size past it (:func:`probe_size`): where the formulas are the same, the range reaches on
+    (:attr:`Report.checked` keeps the sizes traced); where they differ, the other side is a
+    :class:`Regime`. A trace that fails past a guard (the model's own check) ends the range
+    there, with a note. ``--compiled`` reports are not explored (the partition depends on the
+    sizes it is chosen at).
+    """
+    if report.retracer is None or report.config.compiled:
+        return report
+    widened: dict[str, int | None] = {}
+    checked: dict[str, tuple[int, ...]] = {}
+    regimes: list[Regime] = []
+    notes: list[str] = []
+    for name in report.symbols:
+        lo, hi = report.ranges[name]
+        limit = report.limit(name)
+        current = report
+        sizes = [(report.train or report.inference).trace.hints[name]]
+        while hi is not None and (limit is None or hi < limit):
+            hint = probe_size(report, name, hi + 1)
+            try:
+                sub = report.retracer.moved({name: hint}, report.fixed)
+            except TraceError as e:
+                notes.append(f"{name} ends at {hi}: traced at {name}={hint}, the model fails "
+                             f"({e.message}); taken as the model's own limit")
+                break
+            slo, shi = sub.ranges[name]
+            if slo > hint or (shi is not None and shi < hint):
+                break  # the trace does not hold at its own example size: stop here
+            if slo > hi + 1:
+                notes.append(f"{name} = {hi + 1}..{slo - 1} takes a code path of its own at each "
+                             "size (a guard holds there only): traced with the size fixed when "
+                             "asked for")
+                current = None
+            if current is not None and _same_figures(current, sub):
+                if current is report:
+                    widened[name] = shi
+                    sizes.append(hint)
+                else:
+                    r = regimes.pop()
+                    regimes.append(replace(r, hi=shi))
+            else:
+                regimes.append(Regime(name, slo, shi, hint, sub))
+                current = sub
+            hi = shi
+        if len(sizes) > 1:
+            checked[name] = tuple(sizes)
+    if not (widened or regimes or notes):
+        return report
+    train, inference = report.train, report.inference
+    for name, hi in widened.items():
+        train, inference = _widened(train, name, hi), _widened(inference, name, hi)
+    return replace(report, train=train, inference=inference, regimes=tuple(regimes),
+                   checked=checked, notes=tuple(report.notes) + tuple(notes))
 
 
 def _compiled_notes(config: StepConfig, step: StepMemory) -> list[str]:
@@ -304,3 +501,36 @@ def fix_inputs(inputs: Mapping, fixed: Mapping[str, int]) -> dict:
                 fixed.get(d, d) if isinstance(d, str) else d for d in spec.shape), spec.fill)
         out[name] = value
     return out
+
+
+def pinning_fixed(analyze, model: torch.nn.Module, inputs: dict, config: StepConfig,
+                  point: Mapping[str, int], **options) -> Report:
+    """``analyze(model, inputs, config, **options)``; where the model's code pins a symbol to
+    its example size (:class:`~memsim.tracer.SpecializationError`) or a kernel takes no
+    symbolic sizes, the analysis again with that symbol (for a kernel, every symbol) given as
+    its size at ``point``: exact there, with no formula in it, and a note saying so."""
+    fixed: dict[str, int] = {}
+    notes: list[str] = []
+    names = list(dict.fromkeys(d for n, v in inputs.items() if is_tensor_spec(v)
+                               for d in make_spec(n, v).symbols))
+    while True:
+        try:
+            report = analyze(model, fix_inputs(inputs, fixed), config.fixing(fixed),
+                             fixed=dict(fixed), **options)
+            break
+        except SpecializationError as e:
+            if e.symbol not in point or e.symbol in fixed:
+                raise
+            fixed[e.symbol] = point[e.symbol]
+            notes.append(f"{e.symbol} is traced at the size asked for, {point[e.symbol]}, with no "
+                         f"formula in it: {e.message}")
+        except TraceError as e:
+            rest = [n for n in names if n not in fixed and n in point]
+            if "symbolic sizes" not in e.message or not rest:
+                raise
+            fixed.update({n: point[n] for n in rest})
+            notes.append(f"{', '.join(rest)} traced at the sizes asked for, with no formula in "
+                         f"them: a kernel takes no symbolic sizes ({e.message})")
+    if not notes:
+        return report
+    return replace(report, notes=tuple(report.notes) + tuple(notes))

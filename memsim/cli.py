@@ -19,8 +19,9 @@ import sys
 import torch
 
 from memsim.analysis import analyze
-from memsim.tracer import (InputError, MemsimError, StepConfig, UsageError, parse_assignments,
-                           parse_input)
+from memsim.tracer import (InputError, Loop, MemsimError, StepConfig, UsageError,
+                           parse_assignments, parse_input)
+from memsim.tracer.errors import did_you_mean
 from memsim.tracer.precision import Precision
 
 from .render import budget_text, to_json, to_text
@@ -83,6 +84,10 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--precision", default="32-true",
                    help="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true or bf16-master "
                         "(default 32-true)")
+    a.add_argument("--drop-outputs", action="store_true",
+                   help="the loop releases the forward output once the loss exists (Hugging "
+                        "Face's Trainer, Lightning, TRL, torchtune, torchtitan); default: kept "
+                        "through backward and the optimizer step, as a plain loop keeps it")
     a.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step (gradient accumulation, default 1)")
     a.add_argument("--json", action="store_true", help="print the JSON document")
@@ -164,7 +169,26 @@ def _parser() -> argparse.ArgumentParser:
 def _config(args, hints=None) -> StepConfig:
     """The step the options describe, validated once, before any trace."""
     return StepConfig(device=args.device, precision=args.precision, optimizer=args.optimizer,
-                      accumulate=args.accumulate, compiled=args.compiled, hints=hints or {})
+                      accumulate=args.accumulate, compiled=args.compiled, hints=hints or {},
+                      loop=Loop.DROP if args.drop_outputs else Loop.KEEP)
+
+
+def _check_point(point: dict[str, int] | None, specs, option: str = "--at") -> None:
+    """``--at`` names exactly the inputs' symbols, each a size >= 1 (checked before the
+    trace)."""
+    if point is None:
+        return
+    names = list(dict.fromkeys(n for s in specs for n in s.symbols))
+    for n, v in point.items():
+        if n not in names:
+            raise UsageError(f"{option} names {n}, which no --input uses" + did_you_mean(n, names),
+                             hint=f"the inputs' symbols: {', '.join(names) or '(none)'}")
+        if v < 1:
+            raise UsageError(f"{option} {n}={v}: sizes start at 1")
+    missing = [n for n in names if n not in point]
+    if missing:
+        raise UsageError(f"{option} lacks {', '.join(missing)}",
+                         hint=f"give every symbol the inputs use: {', '.join(names)}")
 
 
 def _strategy(args) -> dict:
@@ -292,6 +316,7 @@ def run(argv: list[str] | None = None) -> int:
                          hint="name each tensor forward takes, e.g. --input input_ids=int64[B,S]")
     specs = [parse_input(s) for s in args.input]
     point = parse_assignments(args.at, "--at") if args.at else None
+    _check_point(point, specs)
     hints = parse_assignments(args.hint, "--hint") if args.hint else None
     setup = _budget_setup(args, point)
     strategy = _strategy(args)
@@ -304,10 +329,15 @@ def run(argv: list[str] | None = None) -> int:
     config = _config(args, hints)
     fit = args.cmd == "fit"
     model = load_target(args.target)
+    from memsim.analysis import pinning_fixed
     from memsim.strategies import analyze as analyze_with
-    report = analyze_with(model, {s.name: s for s in specs}, config, **strategy,
-                          train=not args.inference,
-                          inference=args.inference or not (fit or getattr(args, "train", False)))
+    kw = dict(strategy, train=not args.inference,
+              inference=args.inference or not (fit or getattr(args, "train", False)))
+    inputs = {s.name: s for s in specs}
+    report = pinning_fixed(analyze_with, model, inputs, config, point, **kw) \
+        if point is not None else analyze_with(model, inputs, config, **kw)
+    if point is not None:
+        point = {k: v for k, v in point.items() if k not in report.fixed}
     budget = None
     if setup is not None:
         from memsim.analysis.budget import plan
@@ -321,7 +351,7 @@ def run(argv: list[str] | None = None) -> int:
     else:
         shown, spoint = report, None
     if args.json:
-        print(json.dumps(to_json(shown, spoint, budget=budget), indent=2))
+        print(json.dumps(to_json(shown, spoint, budget=budget, full=report), indent=2))
     elif fit:
         print(budget_text(budget, report.device))
     else:
@@ -359,6 +389,7 @@ def _checkpoint(args) -> int:
     rng = _size_range(args.size_range, args.plan) if args.size_range else None
     if rng is not None:
         point = {**(point or {}), rng[0]: rng[2]}   # the plan shown fits the whole range
+    _check_point(point, specs.values(), "--at" if rng is None else "--at with --range")
     if args.plan == "optimal" and point is None:
         raise UsageError("--plan optimal needs a point", hint="give --at B=...,S=...")
     config = _config(args, hints)
@@ -422,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     except MemsimError as e:
         print(f"memsim: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader closed early (memsim gpus | head): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from memsim._version import __version__ as VERSION
 from memsim.analysis import TRAIN_FIELDS, Report
+from memsim.tracer import Loop
 
 LABELS = {
     "peak": "peak (everything live)",
@@ -66,11 +67,14 @@ def budget_json(b) -> dict:
             "notes": list(b.notes), "basis": b.basis}
 
 
-def to_json(report: Report, point: dict[str, int] | None = None, budget=None) -> dict:
-    """The stable JSON document (see README, "JSON output")."""
+def to_json(report: Report, point: dict[str, int] | None = None, budget=None,
+            full: Report | None = None) -> dict:
+    """The stable JSON document (see README, "JSON output"). ``report`` covers ``point``
+    (:meth:`Report.for_point`); ``full`` is the report asked for, whose code paths are listed."""
     at = {**report.fixed, **(point or {})}
     doc: dict = {"memsim": VERSION, "device": report.device,
                  "precision": report.precision, "accumulate": report.accumulate,
+                 "outputs": report.config.loop.value,
                  "compiled": report.compiled, "symbols": list(report.symbols), "at": at or None, "fixed": dict(report.fixed),
                  "ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()}}
     doc.update(_figures(report, point))
@@ -81,11 +85,13 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None) ->
     doc["modules"] = [{"path": m.path, "type": m.type, "saved": _e(step, m.saved, point)}
                       for m in report.modules]
     doc["other_ops"] = dict(report.other_ops)
+    doc.update(_code_paths_json(full or report))
     if report.strategy:
         doc["strategy"] = dict(report.strategy)
         doc["ranks"] = [_rank_json(rc, point) for rc in report.ranks]
-    if report.notes:
-        doc["notes"] = list(report.notes)
+    notes = list(dict.fromkeys((*report.notes, *(full or report).notes)))
+    if notes:
+        doc["notes"] = notes
     if budget is not None:
         doc["budget"] = budget_json(budget)
     return doc
@@ -98,6 +104,37 @@ def _figures(report: Report, point) -> dict:
                         for f in TRAIN_FIELDS}
     if report.inference is not None:
         out["inference"] = {"peak": _e(report.inference, report.inference.peak, point)}
+    return out
+
+
+def _code_paths_json(report: Report) -> dict:
+    """``checked`` (example sizes whose formulas were equal), ``code_paths`` (each regime: its
+    sizes and formulas) and ``piecewise`` (every train/inference figure over the regimes)."""
+    out: dict = {"checked": {n: list(v) for n, v in report.checked.items()}, "code_paths": [],
+                 "piecewise": None}
+    if not report.regimes:
+        return out
+    base = {n: r for n, r in report.ranges.items()}
+    for g in report.regimes:
+        out["code_paths"].append({"symbol": g.symbol, "from": g.lo, "to": g.hi,
+                                  "traced_at": g.hint, **_figures(g.report, None)})
+    pieces: dict = {}
+    for step_name, fields in (("train", TRAIN_FIELDS), ("inference", ("peak",))):
+        step = getattr(report, step_name)
+        if step is None:
+            continue
+        for f in fields:
+            args = []
+            for rep, n, lo, hi in [(report, g.symbol, *base[g.symbol]) for g in
+                                   report.regimes[:1]] + [(g.report, g.symbol, g.lo, g.hi)
+                                                          for g in report.regimes]:
+                sym = report.symbols[n]
+                cond = sympy.And(sym >= lo, *(() if hi is None else (sym <= hi,)))
+                args.append((getattr(getattr(rep, step_name), f), cond))
+            one = len({e for e, _ in args}) == 1
+            pieces.setdefault(step_name, {})[f] = formula(
+                args[0][0] if one else sympy.Piecewise(*args, evaluate=False))
+    out["piecewise"] = pieces
     return out
 
 
@@ -117,6 +154,28 @@ def _range_text(report: Report) -> str:
     for n, (lo, hi) in report.ranges.items():
         parts.append(f"{lo} <= {n}" + (f" <= {hi}" if hi is not None else ""))
     return ", ".join(parts) or "(no symbols)"
+
+
+def _code_paths_text(report: Report) -> list[str]:
+    """Where a guard of the code path was crossed: equal formulas on both sides, or another
+    regime of formulas."""
+    out = []
+    for n, sizes in report.checked.items():
+        out.append(f"  {n}: the same formulas traced at {n} = {', '.join(map(str, sizes))}, on "
+                   "both sides of a guard of the code path (e.g. a kernel choice)")
+    if report.regimes:
+        out.append("  code paths with their own formulas (guards of the trace crossed; JSON: "
+                   "code_paths, piecewise):")
+        first = report.regimes[0].symbol
+        lo, hi = report.ranges[first]
+        base = (report.train or report.inference).trace.hints[first]
+        rows = [(first, lo, hi, base, report)] + [(g.symbol, g.lo, g.hi, g.hint, g.report)
+                                                 for g in report.regimes]
+        for n, lo, hi, hint, rep in rows:
+            step = rep.train or rep.inference
+            out.append(f"    {n} = {lo}..{hi if hi is not None else ''}: traced at {n}={hint}; "
+                       f"peak {short(step.peak)}")
+    return out
 
 
 def _gb(n: int) -> str:
@@ -219,20 +278,26 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
     """Readable tables: figures with formulas, the peak's regimes, breakdown, top modules."""
     out = [f"memsim {VERSION} — device modelled: {report.device} "
            f"({DEVICE_NOTES[report.device]}); precision {report.precision}"
-           + (f"; {report.accumulate} micro-batches per step" if report.accumulate > 1 else ""),
+           + (f"; {report.accumulate} micro-batches per step" if report.accumulate > 1 else "")
+           + ("; the loop drops the forward output once the loss exists (--drop-outputs)"
+              if report.config.loop is Loop.DROP else
+              "; the loop keeps the forward output to the end of the step (a plain loop; "
+              "--drop-outputs for Trainer-style loops)"),
            f"formulas in bytes, valid for {_range_text(report)}"
            + (f"; evaluated at {', '.join(f'{k}={v}' for k, v in {**report.fixed, **point}.items())}"
               if point is not None else "")]
+    out += _code_paths_text(full or report)
     if report.strategy:
         out.append("strategy: " + strategy_text(report.strategy))
-        out += [f"  note: {n}" for n in report.notes]
+    out += [f"  note: {n}" for n in dict.fromkeys((*report.notes, *(full or report).notes))]
+    if report.strategy:
         if report.ranks:
             out += ["", "Per rank (groups of ranks with equal memory)", _ranks_table(report, point)]
     if report.fixed:
         fixed = ", ".join(f"{k}={v}" for k, v in report.fixed.items())
-        out.append(f"traced on its own with {fixed} fixed (a size below the general formula's "
-                   "range, or one where a condition of its trace is false, takes other paths in "
-                   "PyTorch)")
+        out.append(f"traced with {fixed} fixed: a size the general formulas do not cover (a "
+                   "size of 1, a code path of one size, a point where a condition of their trace "
+                   "is false) or a symbol the model's code pins (see the notes)")
     if report.train is not None:
         t = report.train
         rows = []

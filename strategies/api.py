@@ -61,23 +61,24 @@ def world_size(given: Mapping[str, Strategy]) -> int:
 
 def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None, *,
             strategies: Iterable[Strategy] = (), train: bool = True, inference: bool = True,
-            fixed: Mapping[str, int] | None = None, lora=None, fsdp=None, tp=None, zero=None,
-            ddp=None, checkpoint=None, **options) -> Report:
+            fixed: Mapping[str, int] | None = None, explore: bool = True, lora=None, fsdp=None,
+            tp=None, zero=None, ddp=None, checkpoint=None, **options) -> Report:
     """:func:`memsim.analysis.analyze` under strategies: one rank's figures.
 
     ``strategies``: :class:`~memsim.strategies.base.Strategy` values; or by keyword: ``lora``
     (a :class:`LoRA` or :class:`QLoRA`), ``fsdp``, ``tp``, ``zero``, ``ddp``, ``checkpoint``
     (a named plan ``"blocks"``, ``"selective"``, ``"every:K"``, module paths, or a
     :class:`Checkpoint`). ``options``: fields of :class:`~memsim.tracer.StepConfig` over
-    ``config`` (``device="cpu"``, ``precision="bf16-mixed"``...). With no strategy, the plain
-    :class:`~memsim.analysis.Report`.
+    ``config`` (``device="cpu"``, ``precision="bf16-mixed"``...). ``fixed``, ``explore``: as
+    :func:`memsim.analysis.analyze` (the strategy's report is explored as a whole). With no
+    strategy, the plain :class:`~memsim.analysis.Report`.
     """
     config = StepConfig.of(config, **options)
     given = given_strategies(strategies, lora=lora, fsdp=fsdp, tp=tp, zero=zero, ddp=ddp,
                              checkpoint=checkpoint)
     if not given:
         return analysis.analyze(model, inputs, config, train=train, inference=inference,
-                                fixed=fixed)
+                                fixed=fixed, explore=explore)
     for s in given.values():
         s.validate(given, config)
     plan = Plan(model, config, given)
@@ -86,7 +87,7 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
 
     def traced(rank: int) -> Report:
         return analysis.analyze(plan.model, inputs, plan.config, train=train,
-                                inference=inference, fixed=fixed,
+                                inference=inference, fixed=fixed, explore=False,
                                 transform=plan.transform(rank),
                                 driver=plan.driver(rank) if plan.driver else None)
 
@@ -109,6 +110,8 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         strategies=tuple(given.values()), train=train, inference=inference))
     wrapped = {r: _wrap(rep, r, plan, given, info, notes, retracer)
                for r, rep in reports.items()}
+    if explore:   # past the guards of the code path, the strategy analysed as a whole
+        wrapped[shown] = analysis.explore(wrapped[shown])
     out = wrapped[shown]
     if len(classes) > 1:
         rows = tuple(RankClass(c, wrapped[c[0]]) for c in classes)

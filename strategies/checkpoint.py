@@ -192,6 +192,12 @@ def forward_flops(step, path: str) -> sympy.Expr:
         and r.module is not None and (r.module == path or r.module.startswith(pre))]))
 
 
+def _peak(res: "PlanResult", point: dict[str, int]) -> int:
+    """The plan's step peak at ``point`` (traced again where its formulas do not cover it)."""
+    report, pt = res.report.for_point(point)
+    return report.at(**pt)["train"]["peak"]
+
+
 @dataclass
 class PlanResult:
     """A plan and the re-analysed step."""
@@ -251,7 +257,7 @@ def optimal_plan(model, inputs: dict, point: dict[str, int], budget: int,
         return mixed_plan(model, inputs, point, budget, config, base=base, cache=cache)
 
     def peak(res: PlanResult) -> int:
-        return res.report.at(**point)["train"]["peak"]
+        return _peak(res, point)
 
     results: dict[int, PlanResult] = cache if cache is not None else {}
     results.setdefault(0, evaluate_plan(model, inputs, [], config, base=base))
@@ -317,7 +323,7 @@ def mixed_plan(model, inputs: dict, point: dict[str, int], budget: int,
         return results[key]
 
     def peak(res: PlanResult) -> int:
-        return res.report.at(**point)["train"]["peak"]
+        return _peak(res, point)
 
     def score(res: PlanResult) -> tuple:
         t = res.report.train
@@ -396,7 +402,7 @@ def plans_over_range(model, inputs: dict, point: dict[str, int], name: str, lo: 
         base = analyze(model, inputs, config, inference=False)
 
     def fits(res: PlanResult, v: int) -> bool:
-        return res.report.at(**{**point, name: v})["train"]["peak"] <= budget
+        return _peak(res, {**point, name: v}) <= budget
 
     found = set(blocks(model))
     bands: list[Band] = []

@@ -4,6 +4,8 @@ The oracle (analysis/measure.py) counts live untyped storages of a real run; eac
 once on the meta device and the same formula is evaluated at every point.
 """
 
+import functools
+
 import pytest
 
 import zoo
@@ -63,6 +65,33 @@ def test_size_one_is_traced_on_its_own(name):
     points.append({n: 1 for n in names})
     check(report, factory, inputs, points)
     # one retrace per set of fixed sizes, cached: asking again traces nothing
-    fixings = {tuple(sorted((n, v) for n, v in p.items() if v == 1)) for p in points}
-    assert sorted(report.retracer.cache) == sorted(fixings)
+    fixings = {("fixed",) + tuple(sorted((n, v) for n, v in p.items() if v == 1))
+               for p in points}
+    assert sorted(k for k in report.retracer.cache if k[0] == "fixed") == sorted(fixings)
     assert report.for_point(points[0])[0] is report.for_point(points[0])[0]
+
+
+RESIZES = [("nearest", 1, 2.0), ("nearest", 2, 2.0), ("nearest", 3, 2.0),
+           ("nearest-exact", 2, 0.5), ("linear", 1, 1.5), ("bilinear", 2, 2.0),
+           ("bilinear", 2, 0.5), ("bicubic", 2, 2.0), ("trilinear", 3, 2.0)]
+
+
+@pytest.mark.parametrize("mode, dims, scale", RESIZES, ids=[f"{m}{d}d-x{s}" for m, d, s in RESIZES])
+def test_interpolate_by_scale_keeps_sizes_symbolic(mode, dims, scale):
+    """F.interpolate(scale_factor=...) pinned every symbol (PyTorch's C++ reads concrete sizes)
+    and most resize backwards have meta kernels that take concrete sizes only: both have rules
+    now, and batch and image size stay symbolic, equal to real runs."""
+    factory = functools.partial(zoo.Resize, mode, dims, scale)
+    inputs = {"x": ("float32", ["B", 4] + ["H"] * dims)}
+    report = predict(factory, inputs)
+    assert set(report.symbols) == {"B", "H"}
+    check(report, factory, inputs, grid(B=(2, 3), H=(4, 9)))
+
+
+def test_unet_up_path_symbolic_in_batch():
+    """A UNet's up path (nearest x2 joined by a skip, bilinear x0.5 and x2): B symbolic and
+    past the convolution backend's B < 16, equal to real runs."""
+    inputs = {"x": ("float32", ["B", 3, 16, 16])}
+    report = predict(zoo.TinyUNet, inputs)
+    assert report.ranges["B"] == (2, None)
+    check(report, zoo.TinyUNet, inputs, [{"B": 1}, {"B": 2}, {"B": 3}, {"B": 17}, {"B": 32}])

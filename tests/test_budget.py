@@ -114,3 +114,18 @@ def test_cli_budget_json_and_fit_exit_codes(capsys):
     assert "unknown GPU" in capsys.readouterr().err
     assert main(["gpus"]) == 0
     assert "143,771" in capsys.readouterr().out
+
+
+def test_conv_batch_past_the_backend_guard():
+    """PyTorch picks a convolution backend by batch size (a guard B < 16 under the fake
+    kernel); that is a code path, not the model's limit: traced on both sides, the formulas
+    are the same, so the range reaches past it and the largest batch is solved beyond 15
+    (it was capped at 15). Checked against real runs at the answer and the next size."""
+    img = {"x": ("float32", ["B", 3, 16, 16])}
+    report = predict(zoo.CNN, img, inference=False)
+    assert report.ranges["B"] == (2, None) and report.checked == {"B": (5, 17)}
+    cap = _measured_peak(zoo.CNN, img, {"B": 40}) - 1
+    b = plan(report, {"B": 4}, capacity=cap, margin=0.0)
+    assert b.max_batch == 39
+    assert _measured_peak(zoo.CNN, img, {"B": 39}) <= cap < _measured_peak(zoo.CNN, img,
+                                                                            {"B": 40})

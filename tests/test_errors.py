@@ -132,3 +132,39 @@ def test_input_fill_parses_and_unknown_fill_is_named():
     assert parse_input("attention_mask=int64[B,S]").fill is None
     with pytest.raises(UsageError, match="unknown fill 'twos'"):
         parse_input("attention_mask=int64[B,S]:twos")
+
+
+@pytest.mark.parametrize("at, msg", [("B=2,T=8", "names T, which no --input uses"),
+                                     ("B=0,S=8", "sizes start at 1"), ("B=2", "lacks S")])
+def test_cli_at_is_checked_against_the_inputs_before_the_trace(at, msg, capsys):
+    import os
+    target = os.path.join(os.path.dirname(__file__), "..", "examples", "nanogpt_block.py") + \
+        ":Block"
+    assert main(["analyze", target, "--input", "x=float32[B,S,768]", "--at", at]) == 2
+    assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pt", [{"B": 3, "S": 8}, {"B": 2, "S": 17}])
+def test_cli_pinned_symbols_are_traced_at_the_point(pt, capsys):
+    """A GRU's kernels pin B and S to their example sizes: with --at the analysis goes on at
+    that point with the sizes fixed (exact there, equal to a real run), and says so; without a
+    point it is a SpecializationError whose hint speaks CLI and names the module."""
+    import json
+    import os
+    import zoo
+    from oracles.measure import example_inputs, materialize, measure_train
+
+    target = os.path.join(os.path.dirname(__file__), "zoo.py") + ":GRULM"
+    at = ",".join(f"{k}={v}" for k, v in pt.items())
+    args = ["analyze", target, "--input", "x=int64[B,S]", "--device", "cpu", "--train"]
+    assert main(args + ["--at", at, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    torch.manual_seed(0)
+    real = measure_train(materialize(zoo.GRULM()), example_inputs({"x": ("int64", ["B", "S"])},
+                                                                   pt))
+    assert doc["fixed"] == pt and doc["train"]["peak"]["bytes"] == real.peak
+    assert any("traced at the size asked for" in n and "module 'rnn'" in n
+               for n in doc["notes"])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "ties symbol" in err and "module 'rnn'" in err and "--hint" in err

@@ -84,3 +84,51 @@ def test_activation_checkpointing_matches_real_run():
     pt = {"B": 3, "S": 16}
     assert report.at(**pt)["train"]["saved_activations"] < \
         plain.at(**pt)["train"]["saved_activations"]
+
+
+@pytest.mark.parametrize("factory", [gpt2, llama], ids=["gpt2", "llama"])
+def test_dropped_outputs_match_real_run(factory):
+    """The loop Hugging Face's Trainer runs: compute_loss returns the loss only, so the logits
+    are released once the loss exists (keep_outputs=False, --drop-outputs)."""
+    report = predict(factory, LM, keep_outputs=False, inference=False)
+    check(report, factory, LM, grid(B=(2, 3), S=(5, 16)), keep_outputs=False)
+
+
+def test_cli_drop_outputs_and_a_misspelled_input(capsys):
+    import json
+
+    from memsim.cli import main
+
+    args = ["analyze", f"{__file__}:gpt2", "--input", "input_ids=int64[B,S]", "--at", "B=2,S=16",
+            "--device", "cpu", "--train", "--json"]
+    assert main(args + ["--input", "labels=int64[B,S]", "--drop-outputs"]) == 0
+    dropped = json.loads(capsys.readouterr().out)
+    assert main(args + ["--input", "labels=int64[B,S]"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert (dropped["outputs"], kept["outputs"]) == ("dropped", "kept")
+    want = predict(gpt2, LM, keep_outputs=False, inference=False).at(B=2, S=16)["train"]["peak"]
+    assert dropped["train"]["peak"]["bytes"] == want < kept["train"]["peak"]["bytes"]
+    # GPT-2's forward swallows unknown keywords: a typo must not trace a step without a loss
+    assert main(args + ["--input", "lables=int64[B,S]"]) == 2
+    err = capsys.readouterr().err
+    assert "'lables'" in err and "did you mean 'labels'" in err
+
+
+def mistral():
+    """A sliding window of 16 positions in 128."""
+    return T.MistralForCausalLM(T.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=128, sliding_window=16))
+
+
+def test_sliding_window_regimes_match_real_runs():
+    """Below the window HF's cache keeps the whole sequence and attention is causal; past it,
+    the cache keeps the window's last positions and a (B, 1, S, S) mask is built; at S = 15
+    exactly, the slice that keeps them is the whole dimension (a path of one size). The
+    trace's guard S <= 14 is crossed (it was reported as the model's limit): every side is
+    traced and equals real runs, up to the model's 128 positions."""
+    report = predict(mistral, LM)
+    assert report.ranges["S"] == (2, 14) and report.extent["S"] == (2, 128)
+    assert [(g.symbol, g.lo, g.hi) for g in report.regimes] == [("S", 16, 128)]
+    assert any("S = 15..15" in n for n in report.notes)
+    check(report, mistral, LM, grid(B=(2, 3), S=(9, 14, 15, 16, 40, 128)))

@@ -82,3 +82,13 @@ def test_front_door_exports():
     for name in ("analyze", "trace", "Report", "LoRA", "FSDP", "TensorParallel", "ZeRO", "DDP",
                  "MemsimError", "__version__"):
         assert hasattr(memsim, name), name
+
+
+def test_oracles_import_nothing_of_memsim():
+    """The oracles (a real CPU run, real multi-rank runs, published formulas) share no code
+    with what they check."""
+    folder = os.path.join(ROOT, "tests", "oracles")
+    bad = [f"{f}:{line} imports {mod}" for f in sorted(os.listdir(folder)) if f.endswith(".py")
+           for line, mod in _imports(os.path.join(folder, f))
+           if mod.split(".")[0] in ("memsim", *BARE)]
+    assert not bad, "\n".join(bad)

@@ -74,6 +74,13 @@ def _traces():
             inference=False)
     analyze(full, {"x": ("float32", ["B", "S", 24])}, device="cpu", inference=False)
     analyze(pad, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
+    # F.interpolate by scale, and the resize kernels whose meta kernels need concrete sizes
+    for mode, dims in (("nearest", 1), ("nearest", 3), ("nearest-exact", 1), ("nearest-exact", 3),
+                       ("linear", 1), ("bilinear", 2), ("bicubic", 2), ("trilinear", 3)):
+        with meta():
+            resize = zoo.Resize(mode, dims)
+        analyze(resize, {"x": ("float32", ["B", 4] + ["H"] * dims)}, device="cpu",
+                inference=False)
     # DTensor pads uneven shards inside its dispatch (aten.pad: sequence parallelism at an odd
     # example S), collectives' waits
     analyze(llama, {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])},

@@ -135,3 +135,54 @@ class FullSlices(nn.Module):
         h = self.up(x)[:, 0:]
         h = torch.relu(h)[..., : 2 * self.d]
         return torch.tanh(self.out(h)[:, 0:])
+
+
+class TinyUNet(nn.Module):
+    """A UNet's shape: a convolution, a strided down path, and an up path through
+    ``F.interpolate(scale_factor=...)`` (diffusers' ``Upsample2D``: nearest, x2) joined by a
+    skip connection; a bilinear x2 and a fractional x0.5 resize besides."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.inc = nn.Conv2d(3, c, 3, padding=1)
+        self.down = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1)
+        self.mid = nn.Conv2d(2 * c, 2 * c, 3, padding=1)
+        self.up = nn.Conv2d(2 * c, c, 3, padding=1)
+        self.out = nn.Conv2d(2 * c, 3, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.inc(x))
+        d = torch.relu(self.mid(self.down(h)))
+        u = self.up(F.interpolate(d, scale_factor=2.0, mode="nearest"))
+        y = self.out(torch.cat([u, h], dim=1))
+        z = F.interpolate(y, scale_factor=0.5, mode="bilinear", align_corners=False)
+        return F.interpolate(z, scale_factor=2, mode="bilinear", align_corners=False)
+
+
+class Resize(nn.Module):
+    """A per-channel scale, then ``F.interpolate(scale_factor=...)`` in ``mode`` over ``dims``
+    spatial dimensions (its backward runs: the input of the resize needs a gradient)."""
+
+    def __init__(self, mode: str = "bilinear", dims: int = 2, scale: float = 2.0):
+        super().__init__()
+        self.mode, self.dims, self.scale = mode, dims, scale
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        x = x * self.w.view(1, 4, *[1] * self.dims)
+        kw = {} if "nearest" in self.mode else {"align_corners": False}
+        return F.interpolate(x, scale_factor=self.scale, mode=self.mode, **kw)
+
+
+class GRULM(nn.Module):
+    """A two-layer GRU language model: PyTorch's RNN kernels read concrete sizes (the batch and
+    the time steps are pinned)."""
+
+    def __init__(self, vocab: int = 100, d: int = 32, hidden: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.rnn = nn.GRU(d, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        return self.head(self.rnn(self.emb(x))[0])

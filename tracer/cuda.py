@@ -15,29 +15,12 @@ tensors; this module switches the few ops whose CUDA kernel keeps different memo
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-from .rules import Kind, keys, lookup, rule
+from .rules import Kind, rule
 
-
-class _CudaKernels(TorchFunctionMode):
-    """Routes the functions with a ``function`` rule for CUDA (:mod:`memsim.tracer.rules`)."""
-
-    def __init__(self):
-        super().__init__()
-        self._keys = keys(Kind.FUNCTION, "cuda")
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self._keys:
-            out = lookup(Kind.FUNCTION, func, "cuda").value(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+# applied by memsim.tracer.functions.function_rules("cuda")
 
 
 @rule(Kind.FUNCTION, F.dropout, device="cuda",
@@ -70,10 +53,3 @@ def _flash_like(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, scale=scale)
     return out
-
-
-@contextlib.contextmanager
-def cuda_kernels():
-    """Inside: ops whose CUDA kernels keep different memory run as on CUDA (see module doc)."""
-    with _CudaKernels():
-        yield

@@ -69,7 +69,17 @@ class DataDependentError(TraceError):
 
 
 class SpecializationError(TraceError):
-    """The model's code pinned a symbolic size to one value, so no formula holds for it."""
+    """The model's code pinned a symbolic size to one value, so no formula holds for it.
+
+    Attributes
+    ----------
+    symbol : str or None
+        The user's symbol that was pinned.
+    """
+
+    def __init__(self, message: str, *, symbol: str | None = None, **kw):
+        self.symbol = symbol
+        super().__init__(message, **kw)
 
 
 class OutOfRangeError(MemsimError, ValueError):

@@ -164,3 +164,42 @@ if _functional("wait_tensor") is not None:
         """Waiting on a collective's result allocates nothing: the output is the input."""
         func(*args, **kwargs)
         return args[0]
+
+
+# -- resizing (F.interpolate): PyTorch's meta kernels for these take concrete sizes only -------
+def _memory_format(x):
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
+            and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) \
+            and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _upsample(recorder, func, args, kwargs):
+    """``upsample_*(input, output_size, ...)``: one output of (N, C, *output_size), in the
+    input's memory format."""
+    x, size = args[0], list(args[1] if len(args) > 1 else kwargs["output_size"])
+    return torch.empty([*x.shape[:2], *size], dtype=x.dtype, device=x.device,
+                       memory_format=_memory_format(x))
+
+
+def _upsample_backward(recorder, func, args, kwargs):
+    """``upsample_*_backward(grad_output, output_size, input_size, ...)``: one gradient of
+    ``input_size``."""
+    grad = args[0]
+    size = list(args[2] if len(args) > 2 else kwargs["input_size"])
+    return torch.empty(size, dtype=grad.dtype, device=grad.device,
+                       memory_format=_memory_format(grad))
+
+
+for _name in ("upsample_nearest1d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+              "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+              "upsample_bicubic2d", "upsample_trilinear3d"):
+    rule(Kind.ATEN, getattr(aten, _name).default,
+         doc=f"{_name}: its meta kernel takes concrete sizes only; one output of the size asked "
+             "for")(_upsample)
+    rule(Kind.ATEN, getattr(aten, _name + "_backward").default,
+         doc=f"{_name}_backward: its meta kernel takes concrete sizes only; one input-sized "
+             "gradient")(_upsample_backward)

@@ -49,8 +49,9 @@ from .errors import (
 )
 from .config import StepConfig
 from .driver import Driver
+from .functions import function_rules
 from .precision import forward_context, step_context, wrap_optimizer
-from .records import Category, Phase, RunRecord
+from .records import Category, LeafRecord, OpRecord, Phase, RunRecord
 from .recorder import Recorder
 from .sources import model_source
 from .spec import TensorSpec
@@ -165,14 +166,16 @@ def fake_module(model: torch.nn.Module, device: str, dtype: torch.dtype | None =
             table[name] = t
 
 
-def check_inputs(model: torch.nn.Module, names: list[str]) -> None:
-    """Raise an InputError naming the input that ``forward`` does not take."""
+def check_inputs(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """Raise an InputError naming an input that ``forward`` does not take, or a parameter it
+    needs that no input gives. Returns the inputs that ``forward`` only takes through
+    ``**kwargs`` (:func:`check_read` checks after the run that something read them)."""
     sig = inspect.signature(model.forward)
     params = [p for p in sig.parameters.values()
               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
     known = {p.name for p in params}
+    if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+        return [n for n in names if n not in known]
     for n in names:
         if n not in known:
             raise InputError(
@@ -184,6 +187,27 @@ def check_inputs(model: torch.nn.Module, names: list[str]) -> None:
             f"{type(model).__name__}.forward needs {', '.join(map(repr, missing))}, "
             "which no input gives",
             hint=f"forward takes: {', '.join(p.name for p in params)}")
+    return []
+
+
+def check_read(model: torch.nn.Module, record: RunRecord, swallowed: list[str]) -> None:
+    """An input that ``forward`` took only through ``**kwargs`` and that no op read is an
+    error: a misspelled name (``lables``) that the model silently ignores would change the step
+    traced (no loss on labels) without a word."""
+    if not swallowed:
+        return
+    read = {i for rec in record.ops if isinstance(rec, OpRecord) for i in rec.inputs}
+    unread = [rec.name for rec in record.ops if isinstance(rec, LeafRecord)
+              and rec.category is Category.INPUT and rec.name in swallowed
+              and rec.index not in read]
+    if unread:
+        sig = inspect.signature(model.forward)
+        known = [p.name for p in sig.parameters.values()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        raise InputError(
+            f"input {unread[0]!r} is not a parameter of {type(model).__name__}.forward, which "
+            "takes it through **kwargs and never reads it" + did_you_mean(unread[0], known),
+            hint=f"forward takes: {', '.join(known)}; fix the name, or leave the input out")
 
 
 def make_inputs(specs: list[TensorSpec], shape_env: ShapeEnv, hints: dict[str, int],
@@ -270,7 +294,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
                 else "accumulate" if config.accumulate != 1 else "compiled")
         raise InputError(f"{what} is not supported with {type(driver).__name__}",
                          hint="the engine owns the training loop and its precision")
-    check_inputs(model, [s.name for s in specs] + list(constants))
+    swallowed = check_inputs(model, [s.name for s in specs] + list(constants))
     if transform is not None or driver is not None:
         import copy
         model = copy.deepcopy(model)
@@ -290,6 +314,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
             record = recorder.finish()
             record.specialized = list(recorder.specialized)
             del held
+        check_read(model, record, swallowed)
     except BaseException as e:  # noqa: BLE001 - re-raised as a typed error
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -315,9 +340,7 @@ def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, co
     stack.enter_context(fake_module(model, "cpu", None if driver is not None else low))
     stack.enter_context(optimizer_defaults_for(config.device))
     stack.enter_context(_modes_in_recompute(recorder))
-    if config.device == "cuda":
-        from .cuda import cuda_kernels
-        stack.enter_context(cuda_kernels())
+    stack.enter_context(function_rules(config.device))
     if patches is not None:
         stack.enter_context(patches())
     if transform is not None:

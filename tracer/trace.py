@@ -45,6 +45,9 @@ class Trace:
         Training step (True) or inference forward (False).
     ranges : dict of str to (int, int or None)
         Range of each symbol the trace is valid for (from the run's guards and model limits).
+    limits : dict of str to int
+        The model's own upper limits on symbols (given, or a Hugging Face model's positions);
+        a range that ends below its symbol's limit ends at a guard of the code path taken.
     guards : list of str
         Other shape conditions the run assumed (in the user's symbols).
     conditions : list of sympy relations
@@ -62,6 +65,7 @@ class Trace:
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     guards: list[str] = field(default_factory=list)
     conditions: list = field(default_factory=list)
+    limits: dict[str, int] = field(default_factory=dict)
 
     def fx_graph(self) -> torch.fx.Graph:
         from .graph import to_fx
@@ -155,7 +159,8 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
 
     run = _in_user_symbols(run, to_user_expr)
     _classify(run)
-    return Trace(run, user, hint_map, config.device, train, ranges, guards, conditions)
+    return Trace(run, user, hint_map, config.device, train, ranges, guards, conditions,
+                 dict(config.limits))
 
 
 def _in_user_symbols(run: RunRecord, fn) -> RunRecord:
@@ -227,7 +232,8 @@ def _validity(shape_env, table, to_user, limits, specialized=()):
                     break
             raise SpecializationError(
                 f"the model's code ties symbol {name} to {rep.xreplace(to_user)} "
-                f"(example size {table.hints[name]})", source=where, op=op, module=module,
+                f"(example size {table.hints[name]})", symbol=name, source=where, op=op,
+                module=module,
                 hint=f"give {name} as a fixed integer, or a different example size "
                      f"(--hint {name}=N, Python hints={{'{name}': N}}) if it only matched a "
                      "constant by chance")
