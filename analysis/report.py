@@ -112,7 +112,7 @@ class Report:
     notes : tuple of str
     regimes : tuple of Regime
         Where a symbol's sizes past a guard of the trace take another code path with other
-        formulas (:func:`explore`); :meth:`for_point` answers there from the regime's report.
+        formulas (:func:`cross_guards`); :meth:`for_point` answers there from the regime's report.
     checked : dict of str to tuple of int
         Example sizes each symbol was traced at whose formulas equal these (across guards of
         the code path that change nothing), so that the ranges reach past those guards.
@@ -322,7 +322,7 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         traces a point again: :meth:`Report.for_point`).
     explore : bool
         Follow each symbol past the guards of the code path up to the model's own limit
-        (:func:`explore`: one more trace per guard).
+        (:func:`cross_guards`: one more trace per guard).
     **options
         Fields of :class:`~memsim.tracer.StepConfig` (``device="cpu"``,
         ``keep_outputs=False``...), applied over ``config`` and validated once.
@@ -351,7 +351,7 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
                     fixed=dict(fixed or {}), notes=tuple(_compiled_notes(config, first)),
                     retracer=Retracer(analyze, model, inputs, config, dict(
                         train=train, inference=inference, transform=transform, driver=driver)))
-    return globals()["explore"](report) if explore else report
+    return cross_guards(report) if explore else report
 
 
 def probe_size(report: Report, name: str, v: int) -> int:
@@ -398,7 +398,7 @@ def _widened(step: StepMemory | None, name: str, hi: int | None) -> StepMemory |
     return replace(step, trace=replace(step.trace, ranges={**step.ranges, name: (lo, hi)}))
 
 
-def explore(report: Report) -> Report:
+def cross_guards(report: Report) -> Report:
     """``report`` with each symbol followed past the guards of its code path, up to the model's
     own limit.
 

@@ -111,7 +111,7 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
     wrapped = {r: _wrap(rep, r, plan, given, info, notes, retracer)
                for r, rep in reports.items()}
     if explore:   # past the guards of the code path, the strategy analysed as a whole
-        wrapped[shown] = analysis.explore(wrapped[shown])
+        wrapped[shown] = analysis.cross_guards(wrapped[shown])
     out = wrapped[shown]
     if len(classes) > 1:
         rows = tuple(RankClass(c, wrapped[c[0]]) for c in classes)
