@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterable, Mapping
+from typing import Callable, ClassVar, Mapping
 
 import sympy
 import torch
@@ -228,13 +228,8 @@ class StrategyReport(Report):
             out["host_bytes"] = str(self.host_bytes)
         return out
 
-    def for_point(self, point):
-        """As :meth:`Report.for_point`; a retrace analyses every rank again (one cached
-        analysis) and answers with this rank's group."""
-        fix = self.needs_retrace(point)
-        if not fix or self.retracer is None:
-            return self, dict(point)
-        sub = self.retracer(fix, self.fixed)
-        if sub.rank != self.rank:
-            sub = next((rc.report for rc in sub.ranks if self.rank in rc.ranks), sub)
-        return sub.for_point({n: v for n, v in point.items() if n not in fix})
+    def _counterpart(self, other: Report) -> Report:
+        """A retrace analyses every rank again (one cached analysis): this rank's group."""
+        if getattr(other, "rank", self.rank) != self.rank:
+            return next((rc.report for rc in other.ranks if self.rank in rc.ranks), other)
+        return other

@@ -132,3 +132,25 @@ def test_sliding_window_regimes_match_real_runs():
     assert [(g.symbol, g.lo, g.hi) for g in report.regimes] == [("S", 16, 128)]
     assert any("S = 15..15" in n for n in report.notes)
     check(report, mistral, LM, grid(B=(2, 3), S=(9, 14, 15, 16, 40, 128)))
+
+
+def test_sliding_window_regimes_under_a_strategy():
+    """A strategy's report crosses the same guard: past the window it answers from the regime
+    traced symbolically (nothing fixed), equal to a real run of the checkpointed model."""
+    import torch
+
+    from memsim import analyze
+    from memsim.strategies.checkpoint import apply_checkpointing, blocks
+
+    with torch.device("meta"):
+        model = mistral()
+    inputs = dict(LM, use_cache=False)   # a cache updated again in recomputation would not fit
+    report = analyze(model, inputs, device="cpu", checkpoint="blocks", inference=False)
+    sub, pt = report.for_point({"B": 2, "S": 40})
+    assert sub.fixed == {} and sub.strategy["checkpoint"] == "blocks"
+
+    def checkpointed():
+        m = mistral()
+        return apply_checkpointing(m, blocks(m))
+
+    check(report, checkpointed, inputs, [{"B": 2, "S": 40}])

@@ -3,7 +3,6 @@
 the bare generic names, which other distributions on the index own."""
 
 import ast
-import importlib.metadata
 import os
 import subprocess
 import sys

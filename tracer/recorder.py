@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .records import Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage, TensorMeta
-from .rules import ANY, Kind, lookup, register
+from .rules import Kind, keys, lookup, register
 
 # Op namespaces whose memory the tests check against real runs: ATen, and the collectives and
 # FSDP2 copies of torch.distributed (gloo runs in tests/test_parallel.py).
@@ -108,6 +108,7 @@ class Recorder(TorchDispatchMode):
         self._paused = False  # inside DTensor's sharding propagation: ops are not the run's
         self.scalar_hook = None  # a Driver's answer to .item() (tracer.kernels)
         self.host_device = None  # a Driver's host device: storages there are host memory
+        self._checked = keys(Kind.NAMESPACE)  # op namespaces checked against real runs
 
     # -- storages -------------------------------------------------------------------------------
     @property
@@ -308,7 +309,7 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         if self.shape_env is not None and len(self.shape_env.replacements) != self._n_repl:
             self._note_specialization(name)
-        if lookup(Kind.NAMESPACE, func.namespace, ANY) is None and any(
+        if func.namespace not in self._checked and any(
                 isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
             self.run.other_ops[name] = self.run.other_ops.get(name, 0) + 1
         self._record(name, inputs, out, _flops(func, args, kwargs, out))

@@ -474,8 +474,7 @@ def optimizer_factory(config) -> OptimizerFactory:
 def _driven_step(recorder, driver, call, inputs, constants, loss_fn, keep_outputs):
     recorder.mark(Phase.ZERO_GRAD)
     recorder.mark(Phase.FORWARD)
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: (recorder.mark_saved(t), t)[1], lambda t: t):
+    with _saving(recorder):
         out = call(**inputs, **constants)
         recorder.mark(Phase.LOSS)
         loss = loss_fn(out)
