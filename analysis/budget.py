@@ -143,6 +143,8 @@ class _Model:
         return report.train if self.step_name == "train" else report.inference
 
     def allocated(self, point: dict[str, int]) -> int:
+        if getattr(self.report, "fit", None) is not None:   # fitted: traces only where needed
+            return self.report.at(**point)[self.step_name]["peak"]
         report, pt = self.report.for_point(point)
         step = self.step_of(report)
         step.check_point(pt)
@@ -162,7 +164,7 @@ class _Model:
         """Bytes no size can go below: model states live for the whole step + fixed terms."""
         step = self.step_of(self.report)
         sizes = {n: step.ranges.get(n, (2, None))[0] for n in self.report.symbols}
-        pt = {**point, **sizes}
+        pt = {n: v for n, v in {**point, **sizes}.items() if n in step.trace.symbols}
         states = sum(step.evaluate(e, pt) for e in (step.parameters, step.gradients,
                                                     step.optimizer_states, step.buffers))
         return states + sum(self.fixed.values())

@@ -298,7 +298,7 @@ def _module_types(model: torch.nn.Module) -> dict[str, str]:
 
 def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None, *,
             train: bool = True, inference: bool = True, transform=None, driver=None,
-            fixed: Mapping[str, int] | None = None, explore: bool = True,
+            fixed: Mapping[str, int] | None = None, explore: bool = True, fit: bool = True,
             **options) -> Report:
     """Trace ``model`` and return the symbolic :class:`Report` of a step.
 
@@ -326,11 +326,48 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
     explore : bool
         Follow each symbol past the guards of the code path up to the model's own limit
         (:func:`cross_guards`: one more trace per guard).
+    fit : bool
+        Where the model's code pins a symbol (:class:`~memsim.tracer.SpecializationError`),
+        fit its formulas from traces with it fixed (:mod:`memsim.analysis.fit`: a
+        :class:`~memsim.analysis.fit.FittedReport`, four more traces) instead of raising.
     **options
         Fields of :class:`~memsim.tracer.StepConfig` (``device="cpu"``,
         ``keep_outputs=False``...), applied over ``config`` and validated once.
     """
     config = StepConfig.of(config, **options)
+    try:
+        return _analyze(model, inputs, config, train=train, inference=inference,
+                        transform=transform, driver=driver, fixed=fixed, explore=explore)
+    except TraceError as e:
+        if not fit:
+            raise
+        original = e
+        if not isinstance(e, SpecializationError):
+            # a kernel that takes no symbolic sizes at all (nn.LSTM's C++ entry reads numel()):
+            # its symbols are fitted one after the other, each trace with the others fixed
+            free = [n for n in _example_sizes(inputs, config) if n not in (fixed or {})]
+            if "symbolic sizes" not in e.message or not free:
+                raise
+            e = SpecializationError(f"a kernel takes no symbolic sizes ({e.message})",
+                                    symbol=free[0], module=e.module, op=e.op,
+                                    source=e.source)
+        if e.symbol is None:
+            raise
+        from .fit import fitted
+        hints = _example_sizes(inputs, config)
+        return fitted(analyze, model, inputs, config, e, hints[e.symbol],
+                      [v for k, v in hints.items() if k != e.symbol], fixed=fixed,
+                      explore=explore, original=original, train=train,
+                      inference=inference, transform=transform, driver=driver)
+
+
+def _example_sizes(inputs: dict, config: StepConfig) -> dict[str, int]:
+    from memsim.tracer.trace import example_sizes
+    return example_sizes([make_spec(n, v) for n, v in inputs.items() if is_tensor_spec(v)],
+                         config.hints)
+
+
+def _analyze(model, inputs, config, *, train, inference, transform, driver, fixed, explore):
     patches, auto_limits = hf.adapt(model, inputs)
     run_config = config.replace(limits={**auto_limits, **config.limits})
     kw = dict(transform=transform, patches=patches)

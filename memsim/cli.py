@@ -338,18 +338,18 @@ def run(argv: list[str] | None = None) -> int:
         if point is not None else analyze_with(model, inputs, config, **kw)
     if point is not None:
         point = {k: v for k, v in point.items() if k not in report.fixed}
+    if point is not None:
+        shown, spoint = report.for_point(point)   # traces a point the formulas do not cover
+        shown.train and shown.train.check_point(spoint)
+        shown.inference and shown.inference.check_point(spoint)
+    else:   # a fitted report shows its fitted formulas
+        shown, spoint = (report.view() if hasattr(report, "view") else report), None
     budget = None
     if setup is not None:
         from memsim.analysis.budget import plan
         device, cap, overheads = setup
         budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
-    if point is not None:
-        shown, spoint = report.for_point(point)   # traces a point the formulas do not cover
-        shown.train and shown.train.check_point(spoint)
-        shown.inference and shown.inference.check_point(spoint)
-    else:
-        shown, spoint = report, None
     if args.json:
         print(json.dumps(to_json(shown, spoint, budget=budget, full=report), indent=2))
     elif fit:

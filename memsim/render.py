@@ -86,6 +86,10 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None,
                       for m in report.modules]
     doc["other_ops"] = dict(report.other_ops)
     doc.update(_code_paths_json(full or report))
+    fit = getattr(full or report, "fit", None)
+    doc["fitted"] = None if fit is None else {
+        "symbol": fit.symbol, "sizes": list(fit.sizes), "checked_at": fit.check,
+        "reason": fit.reason}
     if report.strategy:
         doc["strategy"] = dict(report.strategy)
         doc["ranks"] = [_rank_json(rc, point) for rc in report.ranks]

@@ -61,8 +61,9 @@ def world_size(given: Mapping[str, Strategy]) -> int:
 
 def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None, *,
             strategies: Iterable[Strategy] = (), train: bool = True, inference: bool = True,
-            fixed: Mapping[str, int] | None = None, explore: bool = True, lora=None, fsdp=None,
-            tp=None, zero=None, ddp=None, checkpoint=None, **options) -> Report:
+            fixed: Mapping[str, int] | None = None, explore: bool = True, fit: bool = True,
+            lora=None, fsdp=None, tp=None, zero=None, ddp=None, checkpoint=None,
+            **options) -> Report:
     """:func:`memsim.analysis.analyze` under strategies: one rank's figures.
 
     ``strategies``: :class:`~memsim.strategies.base.Strategy` values; or by keyword: ``lora``
@@ -78,7 +79,7 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
                              checkpoint=checkpoint)
     if not given:
         return analysis.analyze(model, inputs, config, train=train, inference=inference,
-                                fixed=fixed, explore=explore)
+                                fixed=fixed, explore=explore, fit=fit)
     for s in given.values():
         s.validate(given, config)
     plan = Plan(model, config, given)
@@ -87,7 +88,7 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
 
     def traced(rank: int) -> Report:
         return analysis.analyze(plan.model, inputs, plan.config, train=train,
-                                inference=inference, fixed=fixed, explore=False,
+                                inference=inference, fixed=fixed, explore=False, fit=fit,
                                 transform=plan.transform(rank),
                                 driver=plan.driver(rank) if plan.driver else None)
 

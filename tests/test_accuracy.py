@@ -7,9 +7,11 @@ once on the meta device and the same formula is evaluated at every point.
 import functools
 
 import pytest
+import torch
 
 import zoo
 from conftest import grid
+from memsim.analysis import analyze
 from oracle import check, predict
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
@@ -25,6 +27,7 @@ CASES = {
                       grid(B=(2, 3, 7), S=(2, 5, 11))),
     "full_slices": (zoo.FullSlices, {"x": ("float32", ["B", "S", 24])},
                     grid(B=(2, 8), S=(5, 64, 111))),
+    "dead_branch": (zoo.DeadBranch, {"x": ("float32", ["B", 8])}, grid(B=(2, 3, 9))),
     "tiny_gpt": (zoo.TinyGPT, {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])},
                  grid(B=(2, 3, 4), S=(4, 9, 33))),
 }
@@ -95,3 +98,108 @@ def test_unet_up_path_symbolic_in_batch():
     report = predict(zoo.TinyUNet, inputs)
     assert report.ranges["B"] == (2, None)
     check(report, zoo.TinyUNet, inputs, [{"B": 1}, {"B": 2}, {"B": 3}, {"B": 17}, {"B": 32}])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_grouped_mm_experts(precision):
+    """MoE experts through torch._grouped_mm: its meta kernel takes bf16 only and does not pad
+    the output as every real kernel does (rows to 16 bytes). Inference with 34-wide rows (the
+    padding is live at the peak: without it the prediction is 16 B low at B = 1), training with
+    40-wide rows (the real backward needs 16-byte strides)."""
+    inputs = {"x": ("float32", ["B", 3, 32])}
+    points = [{"B": 1}, {"B": 2}, {"B": 5}, {"B": 17}]
+    padded = functools.partial(zoo.GroupedExperts, out=34)
+    report = predict(padded, inputs, precision=precision, train=False)
+    check(report, padded, inputs, points, precision=precision)
+    aligned = functools.partial(zoo.GroupedExperts, out=40)
+    report = predict(aligned, inputs, precision=precision)
+    check(report, aligned, inputs, points, precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+def test_lstm_symbolic_in_batch_and_time(precision, bidirectional):
+    """nn.LSTM on CPU (oneDNN): PyTorch's C++ entry read concrete sizes (a TraceError); its
+    oneDNN path issued from Python keeps B and S symbolic, with the workspace the fake kernel
+    gives 0 bytes (page-rounded: floor divisions in the formula) and the two bias gradients it
+    returns as one storage. Equal to real runs; at fixed sizes the peak at B=2, S=17 was
+    45,828 B low without these rules."""
+    factory = functools.partial(zoo.LSTMLM, bidirectional=bidirectional)
+    inputs = {"x": ("int64", ["B", "S"])}
+    report = predict(factory, inputs, precision=precision)
+    assert set(report.symbols) == {"B", "S"} and report.basis == "exact"
+    check(report, factory, inputs, [{"B": 2, "S": 17}, {"B": 3, "S": 8}, {"B": 5, "S": 40},
+                                    {"B": 1, "S": 3}], precision=precision)
+
+
+def test_lstm_workspace_formula_equals_the_kernel():
+    """The workspace size memsim computes for oneDNN's LSTM equals what the real kernel
+    allocates, at sizes around its page and padding boundaries (fp32 and bf16)."""
+    import random
+
+    import torch
+    from memsim.tracer.kernels import lstm_workspace_bytes
+    rng = random.Random(0)
+    sizes = [(1, 1, 8, 8), (2, 17, 32, 64), (3, 4, 64, 64), (4, 8, 100, 256), (1, 300, 7, 5)]
+    sizes += [(rng.randint(1, 16), rng.randint(1, 64), rng.randint(1, 130), rng.randint(1, 130))
+              for _ in range(20)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, s, d, h in sizes:
+            x = torch.zeros(s, b, d, dtype=dtype)
+            w = [torch.zeros(4 * h, d, dtype=dtype), torch.zeros(4 * h, h, dtype=dtype),
+                 torch.zeros(4 * h, dtype=dtype), torch.zeros(4 * h, dtype=dtype)]
+            hx, cx = torch.zeros(b, h, dtype=dtype), torch.zeros(b, h, dtype=dtype)
+            ws = torch.ops.aten.mkldnn_rnn_layer(x, *w, hx, cx, False, [s], 2, h, 1, True,
+                                                 False, False, True)[3]
+            assert ws.numel() == lstm_workspace_bytes(b, s, d, h, x.element_size(),
+                                                      cx.element_size()), (dtype, b, s, d, h)
+
+
+def test_flex_attention_inference_and_cpu_training_error(monkeypatch):
+    """FlexAttention: eager PyTorch runs its unfused implementation (the (B, H, S, S) scores);
+    the recorder runs its higher-order op so (PyTorch's message named the mode's object). CPU
+    inference equals real runs; CPU training is refused by PyTorch itself (a real run fails the
+    same way), with its message; --device cuda traces forward and backward, whose ops equal a
+    real CPU run's with the device check bypassed (score_mod's graph tracing, on fake tensors,
+    is not counted on either side)."""
+    import torch
+    import torch.nn.attention.flex_attention as fa
+    from memsim.tracer import TraceError
+    # the real run calls the op directly: eager mode wraps it in torch.compile(backend="eager"),
+    # which cannot run under the oracle's counting dispatch mode (the same kernels run)
+    monkeypatch.setattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    inputs = {"x": ("float32", ["B", "S", 32])}
+    report = predict(zoo.FlexAttention, inputs, train=False)
+    check(report, zoo.FlexAttention, inputs, grid(B=(2, 3), S=(9, 20)))
+    with torch.device("meta"):
+        model = zoo.FlexAttention()
+    with pytest.raises(TraceError, match="does not support backward on CPU"):
+        analyze(model, inputs, device="cpu", inference=False)
+    cuda = analyze(model, inputs, device="cuda", inference=False)
+    assert cuda.train.peak.free_symbols == {cuda.symbols["B"], cuda.symbols["S"]}
+    # the training step --device cuda runs (the unfused forward and backward), checked on the
+    # CPU with PyTorch's device check bypassed in both runs
+    monkeypatch.setattr(fa, "_validate_device", lambda q, k, v: None)
+    report = predict(zoo.FlexAttention, inputs, inference=False)
+    check(report, zoo.FlexAttention, inputs, grid(B=(2, 3), S=(9, 20)))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+def test_gru_symbolic_in_batch(bidirectional):
+    """nn.GRU on CPU, issued from Python as PyTorch's C++ loop issues it (the C++ read the
+    batch size): at a fixed number of time steps B stays symbolic, equal to real runs."""
+    class GRU(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 16)
+            self.rnn = torch.nn.GRU(16, 24, num_layers=2, batch_first=True,
+                                    bidirectional=bidirectional)
+
+        def forward(self, x):
+            out, h = self.rnn(self.emb(x))
+            return out.sum() + h.sum()
+
+    inputs = {"x": ("int64", ["B", 6])}
+    report = predict(GRU, inputs)
+    assert set(report.symbols) == {"B"}
+    check(report, GRU, inputs, [{"B": 1}, {"B": 2}, {"B": 7}])

@@ -146,25 +146,34 @@ def test_cli_at_is_checked_against_the_inputs_before_the_trace(at, msg, capsys):
 
 @pytest.mark.parametrize("pt", [{"B": 3, "S": 8}, {"B": 2, "S": 17}])
 def test_cli_pinned_symbols_are_traced_at_the_point(pt, capsys):
-    """A GRU's kernels pin B and S to their example sizes: with --at the analysis goes on at
-    that point with the sizes fixed (exact there, equal to a real run), and says so; without a
-    point it is a SpecializationError whose hint speaks CLI and names the module."""
+    """A loop over the time steps pins S: with --at the size asked for is traced (exact there,
+    equal to a real run) and the notes say S is fitted elsewhere and name the module and line
+    that pin it."""
     import json
     import os
     import zoo
     from oracles.measure import example_inputs, materialize, measure_train
 
-    target = os.path.join(os.path.dirname(__file__), "zoo.py") + ":GRULM"
+    target = os.path.join(os.path.dirname(__file__), "zoo.py") + ":Scan"
     at = ",".join(f"{k}={v}" for k, v in pt.items())
-    args = ["analyze", target, "--input", "x=int64[B,S]", "--device", "cpu", "--train"]
+    args = ["analyze", target, "--input", "x=float32[B,S,8]", "--device", "cpu", "--train"]
     assert main(args + ["--at", at, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     torch.manual_seed(0)
-    real = measure_train(materialize(zoo.GRULM()), example_inputs({"x": ("int64", ["B", "S"])},
-                                                                   pt))
-    assert doc["fixed"] == pt and doc["train"]["peak"]["bytes"] == real.peak
-    assert any("traced at the size asked for" in n and "module 'rnn'" in n
+    real = measure_train(materialize(zoo.Scan()), example_inputs(
+        {"x": ("float32", ["B", "S", 8])}, pt))
+    assert doc["fixed"] == {"S": pt["S"]} and doc["train"]["peak"]["bytes"] == real.peak
+    assert any("S is pinned by the model's code (module '<root>'" in n and "zoo.py" in n
                for n in doc["notes"])
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "ties symbol" in err and "module 'rnn'" in err and "--hint" in err
+    assert doc["fitted"]["symbol"] == "S"
+
+
+def test_pinned_symbol_without_a_fit_names_the_module(capsys):
+    """With fitting off (Python ``fit=False``), a pinned symbol is a SpecializationError whose
+    hint speaks CLI and names the module."""
+    import zoo
+    from memsim.tracer import SpecializationError
+    with pytest.raises(SpecializationError) as e:
+        analyze(zoo.GRULM(), {"x": ("int64", ["B", "S"])}, device="cpu", fit=False)
+    msg = str(e.value)
+    assert "ties symbol" in msg and "module 'rnn'" in msg and "--hint" in msg

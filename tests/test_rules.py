@@ -43,6 +43,15 @@ def test_malformed_entries_are_rejected():
         register(Kind.FUNCTION, torch.tanh, lambda *a: None, device="tpu")
 
 
+class _LSTM(nn.Module):
+    def __init__(self, kind=nn.LSTM):
+        super().__init__()
+        self.rnn = kind(8, 16, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
 class _Padded(nn.Module):
     def __init__(self):
         super().__init__()
@@ -65,7 +74,8 @@ def _traces():
     meta = functools.partial(torch.device, "meta")
     with meta():
         drop = zoo.Block(sdpa=True, dropout=0.1)
-        cnn, full, pad = zoo.CNN(), zoo.FullSlices(), _Padded()
+        cnn, full, pad, lstm, gru = zoo.CNN(), zoo.FullSlices(), _Padded(), _LSTM(), \
+            _LSTM(nn.GRU)
         llama = O.llama_model()
     # CUDA kernel choices (SDPA, dropout), CUDA LayerNorm statistics, autocast policy
     analyze(drop, SEQ, device="cuda", precision="bf16-mixed", inference=False)
@@ -74,6 +84,10 @@ def _traces():
             inference=False)
     analyze(full, {"x": ("float32", ["B", "S", 24])}, device="cpu", inference=False)
     analyze(pad, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
+    # nn.LSTM on CPU (oneDNN), issued from Python: its workspace and bias gradients
+    analyze(lstm, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
+    # nn.GRU on CPU, its C++ loop issued from Python (S fixed: the loop pins it)
+    analyze(gru, {"x": ("float32", ["B", 4, 8])}, device="cpu", inference=False)
     # F.interpolate by scale, and the resize kernels whose meta kernels need concrete sizes
     for mode, dims in (("nearest", 1), ("nearest", 3), ("nearest-exact", 1), ("nearest-exact", 3),
                        ("linear", 1), ("bilinear", 2), ("bicubic", 2), ("trilinear", 3)):
@@ -81,6 +95,10 @@ def _traces():
             resize = zoo.Resize(mode, dims)
         analyze(resize, {"x": ("float32", ["B", 4] + ["H"] * dims)}, device="cpu",
                 inference=False)
+    # MoE experts through torch._grouped_mm in fp32 (its meta kernel takes bf16 only)
+    with meta():
+        experts = zoo.GroupedExperts(out=40)
+    analyze(experts, {"x": ("float32", ["B", 3, 32])}, device="cpu", inference=False)
     # DTensor pads uneven shards inside its dispatch (aten.pad: sequence parallelism at an odd
     # example S), collectives' waits
     analyze(llama, {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])},

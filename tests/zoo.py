@@ -186,3 +186,92 @@ class GRULM(nn.Module):
 
     def forward(self, x):
         return self.head(self.rnn(self.emb(x))[0])
+
+
+class GroupedExperts(nn.Module):
+    """MoE-style experts through ``torch._grouped_mm``, the first weight stored transposed so
+    that the output's rows (``out`` wide) are padded to 16 bytes by the real kernel. Tokens are
+    split evenly over the experts (static offsets, as a capacity-based router gives)."""
+
+    def __init__(self, experts: int = 3, d: int = 32, out: int = 34):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, out, d) * 0.1)   # used as (E, d, out)
+        self.down = nn.Parameter(torch.randn(experts, 32, d) * 0.1)
+
+    def forward(self, x):  # (B, E, d): B tokens per expert
+        b, e, d = x.shape
+        flat = x.transpose(0, 1).reshape(b * e, d)
+        offs = torch.arange(1, e + 1, device=x.device, dtype=torch.int32) * b
+        h = torch._grouped_mm(flat, self.up.transpose(1, 2), offs=offs)  # kept to the end
+        y = torch._grouped_mm(h.relu()[:, :32].contiguous(), self.down, offs=offs)
+        return y.relu() + h[:, :32]
+
+
+class DeadBranch(nn.Module):
+    """A value computed in forward and dropped at once, by an op that saves its own output for
+    backward (exp): MambaMixer's ``A = -torch.exp(self.A_log.float())``, which only the CUDA
+    fused kernel reads. Autograd frees it with the dead branch of the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(64, 8))
+        self.lin = nn.Linear(8, 512)
+
+    def forward(self, x):  # (B, 8)
+        -torch.exp(self.p)
+        return self.lin(x)
+
+
+class Scan(nn.Module):
+    """A recurrent scan written as a Python loop over the time steps (pins S), with a linear
+    read-out."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+        self.out = nn.Linear(d, 16)
+
+    def forward(self, x):  # (B, S, d)
+        h = torch.zeros_like(x[:, 0])
+        outs = []
+        for t in range(x.shape[1]):
+            h = torch.tanh(h * self.w + x[:, t])
+            outs.append(h)
+        return self.out(torch.stack(outs, 1))
+
+
+class LSTMLM(nn.Module):
+    """A two-layer LSTM language model: on CPU PyTorch runs oneDNN's LSTM
+    (``mkldnn_rnn_layer``), whose C++ entry reads concrete sizes."""
+
+    def __init__(self, vocab: int = 100, d: int = 32, hidden: int = 64,
+                 bidirectional: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.rnn = nn.LSTM(d, hidden, num_layers=2, batch_first=True,
+                           bidirectional=bidirectional)
+        self.head = nn.Linear(hidden * (2 if bidirectional else 1), vocab)
+
+    def forward(self, x):
+        return self.head(self.rnn(self.emb(x))[0])
+
+
+class FlexAttention(nn.Module):
+    """Self-attention through FlexAttention (a causal ``score_mod``): eager PyTorch runs its
+    unfused implementation, which materializes the (B, H, S, S) scores."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.heads = heads
+
+    def forward(self, x):  # (B, S, d)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        def causal(score, b, h, q, k):
+            return torch.where(q >= k, score, -float("inf"))
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = flex_attention(q, k, v, score_mod=causal)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))

@@ -15,6 +15,7 @@ choices live with their device (:mod:`memsim.tracer.cuda`); here:
 from __future__ import annotations
 
 import contextlib
+import sys
 from fractions import Fraction
 
 import torch
@@ -45,10 +46,11 @@ class FunctionRules(TorchFunctionMode):
 
 @contextlib.contextmanager
 def function_rules(device: str):
-    """Inside: functions with a rule for ``device`` run as the rule says."""
+    """Inside: functions with a rule for ``device`` run as the rule says (and FlexAttention as
+    eager PyTorch runs it there: :func:`flex_attention_eager`)."""
     from . import cuda  # noqa: F401  (registers CUDA's kernel choices)
 
-    with FunctionRules(device):
+    with FunctionRules(device), flex_attention_eager(device):
         yield
 
 
@@ -98,3 +100,186 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     op, corners = entry
     args = (input, out) + ((bool(align_corners),) if corners else ()) + tuple(map(float, scales))
     return op(*args)
+
+
+@contextlib.contextmanager
+def flex_attention_eager(device: str):
+    """FlexAttention as eager PyTorch runs it on ``device``: the unfused implementation (the
+    HOP's dense forward and backward, which materialize the (B, H, S, S) scores), called
+    directly rather than through the ``torch.compile(backend="eager")`` wrapper eager mode
+    uses (the same ops; no compile inside a trace). Fake tensors live on the CPU, where
+    PyTorch refuses FlexAttention's backward (a real CPU run does too); for ``cuda`` the
+    device check is the modelled device's."""
+    try:
+        import torch.nn.attention.flex_attention as fa
+    except ImportError:  # pragma: no cover - older torch
+        yield
+        return
+    check, debug = fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    hop = sys.modules.get("torch._higher_order_ops.flex_attention")
+    create = getattr(hop, "create_fw_bw_graph", None)
+
+    def validate(query, key, value):
+        if device == "cpu":
+            check(query, key, value)
+
+    def create_apart(*args, **kwargs):
+        # Tracing score_mod into its forward and joint graphs is FlexAttention's compiler work,
+        # not the run's: a real run traces on fake tensors of a FakeTensorMode of its own (meta
+        # storages, no memory) and the graphs' node.meta["val"] keep those alive. Under
+        # memsim's fake mode every tensor made there is fake and would be counted, and kept
+        # for the whole step where a node holds it (scalar_tensor of where's -inf).
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        from .recorder import Recorder
+
+        rec = next((m for m in reversed(_get_current_dispatch_mode_stack())
+                    if isinstance(m, Recorder)), None)
+        with rec.paused() if rec is not None else contextlib.nullcontext():
+            return create(*args, **kwargs)
+
+    fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = validate, True
+    if create is not None:
+        hop.create_fw_bw_graph = create_apart
+    try:
+        yield
+    finally:
+        fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = check, debug
+        if create is not None:
+            hop.create_fw_bw_graph = create
+
+
+def _mkldnn_lstm_used(input, hx, params) -> bool:
+    """Whether PyTorch's CPU LSTM runs oneDNN (``use_mkldnn`` in aten's RNN.cpp): oneDNN on,
+    fp32 (or bf16 where the CPU supports it) everywhere, no projection (two or four weights per
+    layer and direction)."""
+    dtypes = {input.dtype, *(h.dtype for h in hx), *(p.dtype for p in params)}
+    ok = {torch.float32} | ({torch.bfloat16} if torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                            else set())
+    return (torch._C._get_mkldnn_enabled() and torch.backends.mkldnn.is_available()
+            and len(dtypes) == 1 and dtypes <= ok and hx[0].shape[-1] == hx[1].shape[-1])
+
+
+@rule(Kind.FUNCTION, torch._VF.lstm, device="cpu",
+      doc="nn.LSTM on CPU: PyTorch's C++ entry (lstm_mkldnn) reads concrete sizes; the same "
+          "calls issued from Python (transpose, contiguous, one mkldnn_rnn_layer per layer and "
+          "direction, cat, dropout, stack), so that B and S stay symbolic")
+def _lstm_mkldnn(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                 batch_first):
+    """``aten::lstm.input`` as its oneDNN path issues ATen ops, or None (a packed sequence, a
+    projection, another dtype: left to PyTorch)."""
+    if not isinstance(hx, (tuple, list)) or not isinstance(has_biases, bool) \
+            or not _mkldnn_lstm_used(input, hx, params):
+        return None
+    dirs = 2 if bidirectional else 1
+    per = 4 if has_biases else 2
+    if len(params) != num_layers * dirs * per:
+        return None
+    x = input.transpose(0, 1) if batch_first else input
+    x = first = x.contiguous()  # a C++ local there: alive to the end of the call (``first``)
+    h0, c0 = hx[0].contiguous(), hx[1].contiguous()
+    hidden = h0.shape[2]
+    hy, cy = [], []
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            i = layer * dirs + d
+            w = params[i * per:(i + 1) * per]
+            b_ih, b_hh = (w[2], w[3]) if has_biases else (torch.zeros_like(w[0][:, 0]),
+                                                          torch.zeros_like(w[0][:, 0]))
+            out, h, c, _ = torch.ops.aten.mkldnn_rnn_layer(
+                x, w[0], w[1], b_ih, b_hh, h0[i], c0[i], d > 0, [], 2, hidden, num_layers,
+                has_biases, bidirectional, batch_first, train)
+            outs.append(out)
+            hy.append(h)
+            cy.append(c)
+        x = outs[0] if dirs == 1 else torch.cat(outs, -1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            x = torch.dropout(x, dropout, True)
+    out = (x.transpose(0, 1) if batch_first else x), torch.stack(hy, 0), torch.stack(cy, 0)
+    del first
+    return out
+
+
+def _gru_cell(gates_i, hidden, w_hh, b_hh):
+    """PyTorch's CPU ``GRUCell`` with the input projection precomputed (aten's RNN.cpp), op
+    for op: three chunks, in-place gates, ``(h - n) * z + n``."""
+    # unsafe_chunk reads every size concretely in C++ (pinning B); unsafe_split, which it
+    # dispatches, does not
+    third = w_hh.shape[0] // 3
+    ig = gates_i.unsafe_split(third, 1)
+    hg = F.linear(hidden, w_hh, b_hh).unsafe_split(third, 1)
+    reset = hg[0].add_(ig[0]).sigmoid_()
+    update = hg[1].add_(ig[1]).sigmoid_()
+    new = ig[2].add(hg[2].mul_(reset)).tanh_()
+    return (hidden - new).mul_(update).add_(new)
+
+
+def _gru_steps(steps, h, w_hh, b_hh):
+    outs = []
+    for g in steps:
+        h = _gru_cell(g, h, w_hh, b_hh)
+        outs.append(h)
+    return outs, h
+
+
+def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh):
+    """One layer, one direction (``FullLayer``): the input projection of every step at once,
+    the cells, the step outputs stacked (the step list lives to the end, a C++ local)."""
+    input_w = F.linear(x, w_ih, b_ih)
+    steps = input_w.unbind(0)
+    outs, h = _gru_steps(steps, h, w_hh, b_hh)
+    out = torch.stack(outs, 0)
+    del input_w, steps, outs
+    return out, h
+
+
+def _gru_bidirectional(x, h_fw, h_rev, fw, rev):
+    """One layer both ways (``FullBidirectionalLayer``), with its C++ locals' lifetimes: each
+    direction's step outputs and the second input projection live to the end of the call."""
+    input_w = F.linear(x, fw[0], fw[2])
+    steps = input_w.unbind(0)
+    fw_outs, fw_h = _gru_steps(steps, h_fw, fw[1], fw[3])
+    fw_output = torch.stack(fw_outs, 0)
+    input_w = F.linear(x, rev[0], rev[2])
+    steps = input_w.unbind(0)
+    rev_outs, rev_h = _gru_steps(steps[::-1], h_rev, rev[1], rev[3])
+    rev_outs.reverse()
+    rev_output = torch.stack(rev_outs, 0)
+    out = torch.cat([fw_output, rev_output], fw_output.dim() - 1)
+    del input_w, steps, fw_outs, rev_outs, fw_output, rev_output
+    return out, fw_h, rev_h
+
+
+@rule(Kind.FUNCTION, torch._VF.gru, device="cpu",
+      doc="nn.GRU on CPU: PyTorch's C++ loop (_rnn_impl_with_concat) reads the batch size; the "
+          "same ops issued from Python keep B symbolic (the loop over time steps pins S)")
+def _gru_cpu(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+             batch_first):
+    """``aten::gru.input`` as its CPU path issues ATen ops, or None (a packed sequence: left to
+    PyTorch)."""
+    if not isinstance(hx, torch.Tensor) or not isinstance(has_biases, bool):
+        return None
+    dirs = 2 if bidirectional else 1
+    per = 4 if has_biases else 2
+    if len(params) != num_layers * dirs * per:
+        return None
+    x = input.transpose(0, 1) if batch_first else input
+    hiddens = hx.unbind(0)
+    finals = []
+    for layer in range(num_layers):
+        ws = [list(params[i * per:(i + 1) * per]) + ([None, None] if not has_biases else [])
+              for i in range(layer * dirs, (layer + 1) * dirs)]
+        if dirs == 1:
+            x, h = _gru_layer(x, hiddens[layer], ws[0][0], ws[0][1], ws[0][2], ws[0][3])
+            finals.append(h)
+        else:
+            x, h_fw, h_rev = _gru_bidirectional(x, hiddens[2 * layer], hiddens[2 * layer + 1],
+                                                ws[0], ws[1])
+            finals += [h_fw, h_rev]
+        if dropout != 0 and train and layer < num_layers - 1:
+            x = torch.dropout(x, dropout, True)
+    hy = torch.stack(finals, 0)
+    if batch_first:  # PyTorch transposes in place (transpose_), which pins B under fake
+        x = x.transpose(0, 1)  # tensors; the view holds the same storage, no memory either way
+    return x, hy

@@ -11,6 +11,8 @@ The same pass records each op (inputs, outputs, module path, phase) for the fx /
 
 from __future__ import annotations
 
+import sys
+
 import contextlib
 import functools
 import weakref
@@ -256,6 +258,28 @@ class Recorder(TorchDispatchMode):
         if self.module_stack:
             s.saved_by = tuple(dict.fromkeys(s.saved_by + tuple(reversed(self.module_stack))))
 
+    def pack_saved(self, t: torch.Tensor):
+        """The saved-tensor pack hook: mark ``t`` saved and return what autograd keeps of it.
+
+        A hook that returned ``t`` itself would close a reference cycle for a tensor saved as
+        its own node's output (exp, tanh, sigmoid, softmax...): ``t`` -> ``t.grad_fn`` -> its
+        saved variable -> ``t``. C++ nodes are invisible to Python's gc, so the cycle never
+        dies: where that node never runs backward (a dead branch, e.g. MambaMixer's unused
+        ``A = -exp(A_log)`` on CPU) the storage would stay to the end of the step, while
+        autograd without hooks keeps only the data of an output (no grad_fn) and frees it with
+        the graph. A detached alias is kept instead: the same storage, no grad_fn; not recorded
+        as an op, and mapped to ``t``'s producer so that backward's reads of it are edges to
+        that op."""
+        self.mark_saved(t)
+        if t.grad_fn is None:
+            return t
+        with self.paused():
+            d = t.detach()
+        idx = self._producer.get(t)
+        if idx is not None:
+            self._producer[d] = idx
+        return d
+
     def mark(self, phase: Phase) -> None:
         """Start a new phase; remembers where the previous one ended."""
         self.run.phase_ends[self.phase] = len(self.run.events)
@@ -355,3 +379,29 @@ def _flops(func, args, kwargs, out):
         return as_expr(fn(*args, **kwargs, out_val=out))
     except Exception:  # noqa: BLE001 - a formula that cannot take these args counts nothing
         return 0
+
+
+def _flex_attention_hops() -> None:
+    """FlexAttention's higher-order ops, run under the recorder as eager PyTorch runs them
+    without torch.compile: the unfused forward and backward (``sdpa_dense``,
+    ``sdpa_dense_backward``), whose ops the recorder sees one by one. (A mode with no rule for
+    a higher-order op fails with PyTorch's message naming the mode's object.)"""
+    import importlib
+    try:  # the module (the package re-exports the operator under the module's name)
+        fa = importlib.import_module("torch._higher_order_ops.flex_attention")
+        fa = sys.modules["torch._higher_order_ops.flex_attention"]
+    except ImportError:  # pragma: no cover - older torch
+        return
+
+    @fa.flex_attention.py_impl(Recorder)
+    def _forward(mode, *args, **kwargs):
+        with mode:
+            return fa.sdpa_dense(*args, **kwargs)
+
+    @fa.flex_attention_backward.py_impl(Recorder)
+    def _backward(mode, *args, **kwargs):
+        with mode:
+            return fa.sdpa_dense_backward(*args, **kwargs)
+
+
+_flex_attention_hops()

@@ -121,7 +121,12 @@ def module_tracking(model: torch.nn.Module, recorder: Recorder):
         names.setdefault(id(mod), name)
 
     def pre(mod, args):
-        recorder.module_stack.append(names.get(id(mod), type(mod).__name__))
+        # a module outside the model (a wrapper built inside forward, such as transformers'
+        # hub-kernel ``Func``) is charged to the model's module that called it
+        name = names.get(id(mod))
+        if name is None:
+            name = recorder.module_stack[-1] if recorder.module_stack else type(mod).__name__
+        recorder.module_stack.append(name)
 
     def post(mod, args, out):  # not called on an exception: the stack then names the culprit
         if recorder.module_stack:
@@ -372,7 +377,7 @@ def _forward(model, recorder: Recorder, config):
 def _saving(recorder: Recorder):
     """Autograd's saved-tensor hooks, marking what forward keeps for backward."""
     return torch.autograd.graph.saved_tensors_hooks(
-        lambda t: (recorder.mark_saved(t), t)[1], lambda t: t)
+        recorder.pack_saved, lambda t: t)
 
 
 def _plain(stack, recorder: Recorder, model, inputs: dict, constants: dict, config,

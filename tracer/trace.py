@@ -77,7 +77,8 @@ class Trace:
         return to_networkx(self.run)
 
 
-def _hints(specs: list[TensorSpec], given: dict[str, int] | None) -> dict[str, int]:
+def example_sizes(specs: list[TensorSpec], given: dict[str, int] | None) -> dict[str, int]:
+    """The example size of each symbol: ``given`` (validated), else distinct small primes."""
     given = dict(given or {})
     names = list(dict.fromkeys(n for s in specs for n in s.symbols))
     for n, v in given.items():
@@ -141,7 +142,7 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
             specs.append(make_spec(name, value))
         else:
             constants[name] = value
-    hint_map = _hints(specs, config.hints)
+    hint_map = example_sizes(specs, config.hints)
     run, shape_env, table = run_step(model, specs, constants, config, hints=hint_map,
                                      train=train, transform=transform, driver=driver,
                                      patches=patches)
@@ -222,7 +223,10 @@ def _check_backed(s: Storage) -> None:
 
 def _validity(shape_env, table, to_user, limits, specialized=()):
     """Ranges of validity per symbol and the other guards, in the user's symbols."""
-    for name, raw in table.raw.items():
+    # a pinned symbol is reported in the order the run pinned them (a loop over time steps
+    # pins S first; a size computed from it may then pin B too)
+    first = {sym: i for i, (sym, *_) in enumerate(specialized)}
+    for name, raw in sorted(table.raw.items(), key=lambda kv: first.get(kv[1], len(first))):
         rep = shape_env.replacements.get(raw)
         if rep is not None and rep != raw:
             op = module = where = None

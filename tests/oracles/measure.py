@@ -19,10 +19,12 @@ kept, as Hugging Face's Trainer does).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -69,13 +71,41 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            # a FakeTensor (FlexAttention traces its score_mod graphs on a FakeTensorMode of its
+            # own) has a meta storage: no memory
+            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
                 self.add(t)
         return out
 
     def close(self):
         for f in self._fin:
             f.detach()
+
+
+def _count_higher_order_ops() -> None:
+    """FlexAttention's higher-order ops under the counting mode: a dispatch mode must say how
+    it runs them. The counter runs what the eager op runs below autograd (its
+    CompositeExplicitAutograd kernels, the unfused forward and backward) with itself active,
+    so that each of their ATen ops is counted."""
+    import importlib
+    try:
+        importlib.import_module("torch._higher_order_ops.flex_attention")
+    except ImportError:  # pragma: no cover - older torch
+        return
+    fa = sys.modules["torch._higher_order_ops.flex_attention"]
+
+    @fa.flex_attention.py_impl(_Counter)
+    def _forward(mode, *args, **kwargs):
+        with mode:
+            return fa.sdpa_dense(*args, **kwargs)
+
+    @fa.flex_attention_backward.py_impl(_Counter)
+    def _backward(mode, *args, **kwargs):
+        with mode:
+            return fa.sdpa_dense_backward(*args, **kwargs)
+
+
+_count_higher_order_ops()
 
 
 def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -1,0 +1,164 @@
+"""Popular model families, built from their configs: what memsim does with each, against a real
+run.
+
+    python benchmarks/models.py              # about 5 minutes on 2 cores
+    python benchmarks/models.py mamba gru    # some of them
+
+Each family is built from a small config of its own class (transformers, diffusers; no
+weights), analysed on the meta device (``--device cpu``, fp32, AdamW, the plain loop), then
+materialized at the same small size and run for real on the CPU (``tests/oracles/measure.py``:
+live tensor storages, one warm-up step). Per model it prints how the formulas were obtained
+(``traced``: symbolic in every symbol; ``fitted in S``: a symbol the model's code pins, fitted
+from traces with it fixed, see ``analysis/fit.py``), the analysis time, and the training and
+inference peaks predicted and measured at two points of sizes that were not traced. The
+README's table ("Model families") is this script's output.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import transformers as T  # noqa: E402
+
+import zoo  # noqa: E402
+from memsim.analysis import analyze  # noqa: E402
+from oracles.measure import (example_inputs, materialize, measure_inference,  # noqa: E402
+                             measure_train)
+
+T.logging.set_verbosity_error()
+LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
+
+
+def _diffusers_unet():
+    from diffusers import UNet2DConditionModel
+    return UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        attention_head_dim=8, norm_num_groups=8)
+
+
+class _UNetLoss(torch.nn.Module):
+    """The denoising loss of a diffusers UNet (its forward returns a dataclass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unet = _diffusers_unet()
+
+    def forward(self, sample, timestep, encoder_hidden_states):
+        return self.unet(sample, timestep, encoder_hidden_states).sample.float().pow(2).mean()
+
+
+def _seq2seq(cls, cfg):
+    return lambda: cls(cfg)
+
+
+MODELS = {
+    "resnet": ("ResNet (transformers)", lambda: T.ResNetForImageClassification(T.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+        num_labels=10)), {"pixel_values": ("float32", ["B", 3, 32, 32]),
+                          "labels": ("int64", ["B"])}, [{"B": 3}, {"B": 20}]),
+    "convnext": ("ConvNeXt (transformers)", lambda: T.ConvNextForImageClassification(
+        T.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)),
+        {"pixel_values": ("float32", ["B", 3, 32, 32]), "labels": ("int64", ["B"])},
+        [{"B": 3}, {"B": 20}]),
+    "vit": ("ViT (transformers)", lambda: T.ViTForImageClassification(T.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        image_size=32, patch_size=8, num_labels=10)),
+        {"pixel_values": ("float32", ["B", 3, 32, 32]), "labels": ("int64", ["B"])},
+        [{"B": 3}, {"B": 20}]),
+    "unet": ("UNet2DCondition (diffusers)", _UNetLoss,
+             {"sample": ("float32", ["B", 4, 16, 16]), "timestep": 10,
+              "encoder_hidden_states": ("float32", ["B", "S", 32])},
+             [{"B": 2, "S": 9}, {"B": 3, "S": 20}]),
+    "whisper": ("Whisper (transformers)", lambda: T.WhisperForConditionalGeneration(
+        T.WhisperConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                        max_source_positions=32, max_target_positions=64,
+                        decoder_start_token_id=1, pad_token_id=0)),
+        {"input_features": ("float32", ["B", 8, 64]), "labels": ("int64", ["B", "S"])},
+        [{"B": 2, "S": 9}, {"B": 3, "S": 20}]),
+    "t5": ("T5 (transformers)", lambda: T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=0)), {"input_ids": ("int64", ["B", "S"]),
+                                     "labels": ("int64", ["B", "S"])},
+        [{"B": 2, "S": 9}, {"B": 3, "S": 20}]),
+    "llama": ("Llama (transformers)", lambda: T.LlamaForCausalLM(T.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)), LM,
+        [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "qwen2": ("Qwen2 (transformers)", lambda: T.Qwen2ForCausalLM(T.Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)), LM,
+        [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "gemma2": ("Gemma2, window 16 (transformers)", lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=128,
+        sliding_window=16)), dict(LM, use_cache=False), [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "mixtral": ("Mixtral MoE (transformers)", lambda: T.MixtralForCausalLM(T.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256)), LM,
+        [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "mamba": ("Mamba (transformers, slow scan)", lambda: T.MambaForCausalLM(T.MambaConfig(
+        vocab_size=100, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+        conv_kernel=4, time_step_rank=4)), LM, [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "gru": ("GRU LM (nn.GRU)", zoo.GRULM, {"x": ("int64", ["B", "S"])},
+            [{"B": 3, "S": 40}, {"B": 25, "S": 60}]),
+}
+
+
+def real(factory, inputs, point) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = materialize(factory())
+    x = example_inputs(inputs, point)
+    return measure_train(model, x).peak, measure_inference(model, x, "32-true")
+
+
+def run(key: str) -> list:
+    name, factory, inputs, points = MODELS[key]
+    with torch.device("meta"):
+        model = factory()
+    t0 = time.perf_counter()
+    try:
+        report = analyze(model, inputs, device="cpu")
+    except Exception as e:  # a family memsim cannot analyse yet: say so, go on
+        return [[name, f"fails: {type(e).__name__}", "-", "-", "-", "-"]]
+    took = time.perf_counter() - t0
+    how = "traced" if report.basis == "exact" else report.basis
+    rows = []
+    for pt in points:
+        got = report.at(**pt) if report.basis != "exact" else \
+            (lambda s, p: s.at(**p))(*report.for_point(pt))
+        tr, inf = real(factory, inputs, pt)
+        at = ", ".join(f"{k}={v}" for k, v in pt.items())
+        rows.append([name, how, f"{took:.1f}", at,
+                     f"{got['train']['peak']:,} / {tr:,}",
+                     f"{got['inference']['peak']:,} / {inf:,}"])
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    from tabulate import tabulate
+    keys = argv or list(MODELS)
+    rows = []
+    for k in keys:
+        rows += run(k)
+        print(tabulate(rows[-len(MODELS[k][3]):], tablefmt="plain"), flush=True)
+    print()
+    print(tabulate(rows, headers=["model", "formulas", "analysis (s)", "point",
+                                  "train peak: memsim / real", "inference peak: memsim / real"],
+                   tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
