@@ -8,9 +8,11 @@ and :mod:`~memsim.analysis.gpus` (a step against a GPU), :mod:`~memsim.analysis.
 (monotone searches).
 """
 
+from .fit import Fit, FittedReport
 from .memory import ModuleSaved, PeakPoint, StepMemory
 from .report import (TRAIN_FIELDS, Regime, Report, Retracer, analyze, cross_guards, fix_inputs,
                      pinning_fixed)
 
-__all__ = ["analyze", "cross_guards", "pinning_fixed", "Report", "Regime", "Retracer", "StepMemory",
+__all__ = ["analyze", "cross_guards", "pinning_fixed", "Report", "FittedReport", "Fit", "Regime",
+           "Retracer", "StepMemory",
            "ModuleSaved", "PeakPoint", "TRAIN_FIELDS", "fix_inputs"]

@@ -6,8 +6,11 @@ then goes on without it: the step is traced with that symbol fixed at a few size
 exact at its size and symbolic in the others), and the figures in that symbol are the
 polynomial through them (degree ``len(sizes) - 1``, quadratic by default: memory in a sequence
 length is at most quadratic in the models seen), **checked** against one more traced size
-before any figure is given. A point at a traced size is exact; :meth:`FittedReport.for_point`
-traces the size asked for (exact there); :meth:`FittedReport.at` evaluates the fit.
+before any figure is given. Where memory is piecewise in the symbol (the optimizer step's peak
+at short sequences, the activations' at long ones), the window of sizes moves up until a fit
+holds; sizes below it are traced when asked for. :meth:`FittedReport.at` evaluates the fit,
+checking it again at the point's other sizes (a miss traces the size asked for);
+:meth:`FittedReport.for_point` traces the size asked for (exact there).
 
 >>> import torch
 >>> class Scan(torch.nn.Module):           # a loop over time steps pins S

@@ -394,11 +394,13 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
     return cross_guards(report) if explore else report
 
 
-def probe_size(report: Report, name: str, v: int) -> int:
+def probe_size(report: Report, name: str, v: int,
+               bounds: tuple[int, int | None] | None = None) -> int:
     """An example size for symbol ``name`` across the guard of ``report``'s code path that ``v``
     lies beyond: the smallest prime past the range's end (the largest below its start), not
-    another symbol's example size and within the model's limit; ``v`` where none is."""
-    lo, hi = report.ranges[name]
+    another symbol's example size and within the model's limit; ``v`` where none is.
+    ``bounds``: the range to cross, where not ``report``'s own (a guard past another)."""
+    lo, hi = bounds or report.ranges[name]
     taken = set((report.train or report.inference).trace.hints.values())
     limit = report.limit(name)
     if hi is not None and v > hi:
@@ -438,6 +440,9 @@ def _widened(step: StepMemory | None, name: str, hi: int | None) -> StepMemory |
     return replace(step, trace=replace(step.trace, ranges={**step.ranges, name: (lo, hi)}))
 
 
+MAX_GUARDS = 16  # guards of one symbol's code path crossed in a row, at most
+
+
 def cross_guards(report: Report) -> Report:
     """``report`` with each symbol followed past the guards of its code path, up to the model's
     own limit.
@@ -462,8 +467,14 @@ def cross_guards(report: Report) -> Report:
         limit = report.limit(name)
         current = report
         sizes = [(report.train or report.inference).trace.hints[name]]
+        crossed = 0
         while hi is not None and (limit is None or hi < limit):
-            hint = probe_size(report, name, hi + 1)
+            if crossed == MAX_GUARDS:
+                notes.append(f"{name}: more than {MAX_GUARDS} guards of the code path in a row; "
+                             f"past {name}={hi} each size is traced when asked for")
+                break
+            crossed += 1
+            hint = probe_size(report, name, hi + 1, (lo, hi))
             try:
                 sub = report.retracer.moved({name: hint}, report.fixed)
             except TraceError as e:

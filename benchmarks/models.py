@@ -1,7 +1,7 @@
 """Popular model families, built from their configs: what memsim does with each, against a real
 run.
 
-    python benchmarks/models.py              # about 5 minutes on 2 cores
+    python benchmarks/models.py              # about 6 minutes on 2 cores
     python benchmarks/models.py mamba gru    # some of them
 
 Each family is built from a small config of its own class (transformers, diffusers; no
@@ -67,7 +67,7 @@ MODELS = {
         num_labels=10)), {"pixel_values": ("float32", ["B", 3, 32, 32]),
                           "labels": ("int64", ["B"])}, [{"B": 3}, {"B": 20}]),
     "convnext": ("ConvNeXt (transformers)", lambda: T.ConvNextForImageClassification(
-        T.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)),
+        T.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)),
         {"pixel_values": ("float32", ["B", 3, 32, 32]), "labels": ("int64", ["B"])},
         [{"B": 3}, {"B": 20}]),
     "vit": ("ViT (transformers)", lambda: T.ViTForImageClassification(T.ViTConfig(
@@ -112,6 +112,8 @@ MODELS = {
     "mamba": ("Mamba (transformers, slow scan)", lambda: T.MambaForCausalLM(T.MambaConfig(
         vocab_size=100, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
         conv_kernel=4, time_step_rank=4)), LM, [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "lstm": ("LSTM LM (nn.LSTM, oneDNN)", zoo.LSTMLM, {"x": ("int64", ["B", "S"])},
+             [{"B": 3, "S": 40}, {"B": 25, "S": 60}]),
     "gru": ("GRU LM (nn.GRU)", zoo.GRULM, {"x": ("int64", ["B", "S"])},
             [{"B": 3, "S": 40}, {"B": 25, "S": 60}]),
 }
@@ -126,10 +128,11 @@ def real(factory, inputs, point) -> tuple[int, int]:
 
 def run(key: str) -> list:
     name, factory, inputs, points = MODELS[key]
-    with torch.device("meta"):
-        model = factory()
     t0 = time.perf_counter()
     try:
+        with torch.device("meta"):
+            model = factory()
+        t0 = time.perf_counter()
         report = analyze(model, inputs, device="cpu")
     except Exception as e:  # a family memsim cannot analyse yet: say so, go on
         return [[name, f"fails: {type(e).__name__}", "-", "-", "-", "-"]]

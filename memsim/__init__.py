@@ -23,7 +23,7 @@ if _os.path.isfile(_os.path.join(_ROOT, "tracer", "__init__.py")) and _ROOT not 
     __path__.append(_ROOT)
 
 from memsim._version import __version__  # noqa: E402
-from memsim.analysis import Report, StepMemory  # noqa: E402
+from memsim.analysis import FittedReport, Report, StepMemory  # noqa: E402
 from memsim.strategies import (  # noqa: E402
     DDP, FSDP, Checkpoint, LoRA, QLoRA, Strategy, StrategyReport, TensorParallel, ZeRO, analyze)
 from memsim.tracer import (  # noqa: E402
@@ -32,7 +32,7 @@ from memsim.tracer import (  # noqa: E402
     UsageError, trace)
 
 __all__ = ["__version__", "analyze", "trace", "StepConfig", "Device", "Precision", "Loop",
-           "Report", "StrategyReport", "StepMemory", "Category", "Strategy", "LoRA", "QLoRA",
+           "Report", "FittedReport", "StrategyReport", "StepMemory", "Category", "Strategy", "LoRA", "QLoRA",
            "Checkpoint", "FSDP", "TensorParallel", "ZeRO", "DDP", "MemsimError", "InputError",
            "UsageError", "TraceError", "UnsupportedOpError", "DataDependentError",
            "SpecializationError", "OutOfRangeError", "StrategyError"]

@@ -203,3 +203,12 @@ def test_gru_symbolic_in_batch(bidirectional):
     report = predict(GRU, inputs)
     assert set(report.symbols) == {"B"}
     check(report, GRU, inputs, [{"B": 1}, {"B": 2}, {"B": 7}])
+
+
+def test_guards_in_a_row_are_all_crossed():
+    """A second guard past the first (B >= 16, then B >= 64): each is crossed in turn (the
+    probe after the first used to be the first's again, forever)."""
+    inputs = {"x": ("float32", ["B", 8])}
+    report = predict(zoo.TwoGuards, inputs)
+    assert report.ranges["B"] == (2, None) and report.checked["B"][:3] == (5, 17, 67)
+    check(report, zoo.TwoGuards, inputs, [{"B": 3}, {"B": 20}, {"B": 70}])

@@ -22,7 +22,19 @@ def test_json_shape_and_values(capsys):
         e = doc["train"][key]
         parsed = sympy.sympify(e["formula"], locals={"B": B, "S": S})
         assert int(parsed.subs({B: 2, S: 8})) == e["bytes"]
-    assert doc["inference"]["peak"]["bytes"] > 0
+    # the figures are a real run's (the CLI's target materialized, run for real on the CPU)
+    import importlib.util
+
+    import torch
+    from oracles.measure import example_inputs, materialize, measure_inference, measure_train
+    spec = importlib.util.spec_from_file_location("nanogpt_block", "examples/nanogpt_block.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    real = materialize(mod.small())
+    x = example_inputs({"x": ("float32", ["B", "S", 64])}, {"B": 2, "S": 8})
+    assert doc["inference"]["peak"]["bytes"] == measure_inference(real, x, "32-true")
+    assert doc["train"]["peak"]["bytes"] == measure_train(real, x).peak
     assert doc["modules"] and {"path", "type", "saved"} <= set(doc["modules"][0])
 
 
