@@ -329,7 +329,7 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
     fit : bool
         Where the model's code pins a symbol (:class:`~memsim.tracer.SpecializationError`),
         fit its formulas from traces with it fixed (:mod:`memsim.analysis.fit`: a
-        :class:`~memsim.analysis.fit.FittedReport`, four more traces) instead of raising.
+        :class:`~memsim.analysis.fit.FittedReport`, four traces or more) instead of raising.
     **options
         Fields of :class:`~memsim.tracer.StepConfig` (``device="cpu"``,
         ``keep_outputs=False``...), applied over ``config`` and validated once.
@@ -341,11 +341,11 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
     except TraceError as e:
         if not fit:
             raise
-        original = e
+        original, hints = e, _example_sizes(inputs, config)
         if not isinstance(e, SpecializationError):
-            # a kernel that takes no symbolic sizes at all (nn.LSTM's C++ entry reads numel()):
-            # its symbols are fitted one after the other, each trace with the others fixed
-            free = [n for n in _example_sizes(inputs, config) if n not in (fixed or {})]
+            # a kernel that takes no symbolic sizes at all: its symbols are fitted one after
+            # the other, each trace with the others fixed
+            free = [n for n in hints if n not in (fixed or {})]
             if "symbolic sizes" not in e.message or not free:
                 raise
             e = SpecializationError(f"a kernel takes no symbolic sizes ({e.message})",
@@ -354,7 +354,6 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         if e.symbol is None:
             raise
         from .fit import fitted
-        hints = _example_sizes(inputs, config)
         return fitted(analyze, model, inputs, config, e, hints[e.symbol],
                       [v for k, v in hints.items() if k != e.symbol], fixed=fixed,
                       explore=explore, original=original, train=train,

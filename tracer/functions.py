@@ -149,6 +149,15 @@ def flex_attention_eager(device: str):
             hop.create_fw_bw_graph = create
 
 
+def _rnn_layout(params, has_biases, num_layers: int, bidirectional: bool):
+    """``(directions, weights per layer and direction)`` of ``_VF``'s flat weights, or None
+    where they are not the plain layout (a projection: five per layer and direction)."""
+    if not isinstance(has_biases, bool):  # a packed sequence: another overload
+        return None
+    dirs, per = (2 if bidirectional else 1), (4 if has_biases else 2)
+    return (dirs, per) if len(params) == num_layers * dirs * per else None
+
+
 def _mkldnn_lstm_used(input, hx, params) -> bool:
     """Whether PyTorch's CPU LSTM runs oneDNN (``use_mkldnn`` in aten's RNN.cpp): oneDNN on,
     fp32 (or bf16 where the CPU supports it) everywhere, no projection (two or four weights per
@@ -168,13 +177,11 @@ def _lstm_mkldnn(input, hx, params, has_biases, num_layers, dropout, train, bidi
                  batch_first):
     """``aten::lstm.input`` as its oneDNN path issues ATen ops, or None (a packed sequence, a
     projection, another dtype: left to PyTorch)."""
-    if not isinstance(hx, (tuple, list)) or not isinstance(has_biases, bool) \
+    layout = _rnn_layout(params, has_biases, num_layers, bidirectional)
+    if layout is None or not isinstance(hx, (tuple, list)) \
             or not _mkldnn_lstm_used(input, hx, params):
         return None
-    dirs = 2 if bidirectional else 1
-    per = 4 if has_biases else 2
-    if len(params) != num_layers * dirs * per:
-        return None
+    dirs, per = layout
     x = input.transpose(0, 1) if batch_first else input
     x = first = x.contiguous()  # a C++ local there: alive to the end of the call (``first``)
     h0, c0 = hx[0].contiguous(), hx[1].contiguous()
@@ -258,12 +265,10 @@ def _gru_cpu(input, hx, params, has_biases, num_layers, dropout, train, bidirect
              batch_first):
     """``aten::gru.input`` as its CPU path issues ATen ops, or None (a packed sequence: left to
     PyTorch)."""
-    if not isinstance(hx, torch.Tensor) or not isinstance(has_biases, bool):
+    layout = _rnn_layout(params, has_biases, num_layers, bidirectional)
+    if layout is None or not isinstance(hx, torch.Tensor):
         return None
-    dirs = 2 if bidirectional else 1
-    per = 4 if has_biases else 2
-    if len(params) != num_layers * dirs * per:
-        return None
+    dirs, per = layout
     x = input.transpose(0, 1) if batch_first else input
     hiddens = hx.unbind(0)
     finals = []
