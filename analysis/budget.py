@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from memsim.tracer import InputError
 
 from .gpus import GPU, MiB
-from .peak import exact_function
 from .search import largest_true
 
 # CUDA context + loaded kernels with lazy module loading (the default since CUDA 12.2), per
@@ -137,7 +136,6 @@ class _Model:
         self.report, self.step_name = report, step
         self.overheads = overheads
         self.fixed = overheads.fixed(report.device, family)
-        self._fns: dict = {}
 
     def step_of(self, report):
         return report.train if self.step_name == "train" else report.inference
@@ -148,13 +146,7 @@ class _Model:
         report, pt = self.report.for_point(point)
         step = self.step_of(report)
         step.check_point(pt)
-        if id(report) not in self._fns:
-            syms = list(report.symbols)
-            self._fns[id(report)] = (syms, [exact_function(c.expr, [report.symbols[n] for n in syms])
-                                            for c in step.candidates] or [lambda *a: 0])
-        syms, fns = self._fns[id(report)]
-        args = [pt[n] for n in syms]
-        return max(int(f(*args)) for f in fns)
+        return step.value("peak", pt)
 
     def overhead(self, allocated: int) -> dict[str, int]:
         frag = int(allocated * self.overheads.fragmentation) if self.report.device == "cuda" else 0

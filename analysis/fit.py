@@ -41,7 +41,7 @@ import sympy
 from memsim.tracer import OutOfRangeError, SpecializationError
 
 from .memory import PeakPoint
-from .peak import Candidate, exact_function
+from .peak import Candidate
 from .report import TRAIN_FIELDS, Report, Retracer
 
 DEGREE = 2  # the fit's polynomial degree: quadratic in the pinned symbol
@@ -92,25 +92,6 @@ def _lagrange(xs, x):
     return out
 
 
-_FUNCTIONS: dict = {}  # (id(step), figure) -> (step, symbols, exact integer function)
-
-
-def _evaluate(step, name: str, point: Mapping[str, int]) -> int:
-    """Figure ``name`` of ``step`` at ``point``, through a cached exact integer function (a fit
-    evaluates four traces' formulas at every point a search asks for)."""
-    key = (id(step), name)
-    if key not in _FUNCTIONS:
-        syms = list(step.trace.symbols)
-        exprs = [c.expr for c in step.candidates] if name == "peak" and step.candidates else \
-            [getattr(step, name)]
-        fns = [exact_function(sympy.sympify(e), [step.trace.symbols[n] for n in syms])
-               for e in exprs]
-        _FUNCTIONS[key] = (step, syms, fns)
-    _, syms, fns = _FUNCTIONS[key]
-    args = [point[n] for n in syms]
-    return max(int(f(*args)) for f in fns)
-
-
 def _figures(report: Report, point: Mapping[str, int]) -> dict:
     shown, at = report.for_point(dict(point))
     if isinstance(shown, FittedReport):
@@ -120,7 +101,7 @@ def _figures(report: Report, point: Mapping[str, int]) -> dict:
         step = getattr(shown, name)
         if step is not None:
             step.check_point(at)
-            out[name] = {f: _evaluate(step, f, at) for f in fields}
+            out[name] = {f: step.value(f, at) for f in fields}
     return out
 
 
@@ -191,6 +172,19 @@ class FittedReport(Report):
                 f"{name}={x} is outside the range the fit holds for ({lo} <= {name}"
                 + (f" <= {hi}" if hi is not None else "") + ")",
                 hint=f"report.for_point({dict(point)!r}) traces that size (exact)")
+        fitted = self._fitted(rest, x)
+        # where the fit misses its check at these other sizes: trace this size (exact)
+        return fitted if fitted is not None else _figures(self.traced(x), rest)
+
+    def holds(self, **point: int) -> bool:
+        """Whether the fit holds at its check size at ``point``'s other sizes (:meth:`at`
+        answers there from the fit rather than by tracing)."""
+        rest = {k: v for k, v in point.items() if k != self.fit.symbol}
+        return self._fitted(rest, self.fit.check) is not None
+
+    def _fitted(self, rest: Mapping[str, int], x: int) -> dict | None:
+        """Every figure at size ``x`` of the fitted symbol from the fit, the other sizes at
+        ``rest``; None where the fit misses its check there or gives a fraction of a byte."""
         values = {s: _figures(self.traced(s), rest) for s in (*self.fit.sizes, self.fit.check)}
         out: dict = {}
         for step, figs in values[self.fit.sizes[0]].items():
@@ -200,19 +194,9 @@ class FittedReport(Report):
                 v = self._interpolate(ys, x)
                 if (self._interpolate(ys, self.fit.check) != values[self.fit.check][step][f]
                         or v.denominator != 1):
-                    # the fit misses its check at these other sizes: trace this size (exact)
-                    return _figures(self.traced(x), rest)
+                    return None
                 out[step][f] = int(v)
         return out
-
-    def holds(self, **point: int) -> bool:
-        """Whether the fit holds at its check size at ``point``'s other sizes (:meth:`at`
-        answers there from the fit rather than by tracing)."""
-        rest = {k: v for k, v in point.items() if k != self.fit.symbol}
-        values = {s: _figures(self.traced(s), rest) for s in (*self.fit.sizes, self.fit.check)}
-        first = values[self.fit.sizes[0]]
-        return all(self._interpolate([values[s][st][f] for s in self.fit.sizes], self.fit.check)
-                   == values[self.fit.check][st][f] for st in first for f in first[st])
 
     def view(self) -> "FittedReport":
         """This report with the fitted formulas (:meth:`formula`) in place of the first trace's,

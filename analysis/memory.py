@@ -14,7 +14,8 @@ import sympy
 from memsim.tracer import MODEL_STATE, Category, InputError, OutOfRangeError, Phase, Trace
 
 from .allocator import block_bytes
-from .peak import Candidate, PolyBasis, as_max, prune, regime_changes, running_peaks
+from .peak import (Candidate, PolyBasis, as_max, exact_function, prune, regime_changes,
+                   running_peaks)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class StepMemory:
     saved_activations: sympy.Expr
     activation_peak: sympy.Expr
     activation_candidates: list[Candidate] = field(default_factory=list)
+    _functions: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def symbols(self) -> list[sympy.Symbol]:
@@ -90,6 +92,19 @@ class StepMemory:
                           "a code path of the trace holds there only (a size-1 dimension, a "
                           "kernel choice, a window): Report.for_point traces that case"))
         return {self.trace.symbols[n]: v for n, v in point.items()}
+
+    def value(self, name: str, point: dict[str, int]) -> int:
+        """Figure ``name`` at ``point`` (plain ints, a point :meth:`check_point` accepts) by
+        exact integer arithmetic, through functions compiled once per figure (the peak: the
+        largest candidate's), for searches that evaluate many points."""
+        if name not in self._functions:
+            syms = list(self.trace.symbols.values())
+            exprs = [c.expr for c in self.candidates] if name == "peak" else \
+                [getattr(self, name)]
+            self._functions[name] = [exact_function(sympy.sympify(e), syms)
+                                     for e in exprs] or [lambda *a: 0]
+        args = [point[n] for n in self.trace.symbols]
+        return max(int(f(*args)) for f in self._functions[name])
 
     def violated(self, point: dict[str, int]) -> list:
         """The trace's conditions (:attr:`memsim.tracer.Trace.conditions`) false at ``point``."""

@@ -128,7 +128,7 @@ class RankStep(StepMemory):
 def rank_step(step: StepMemory, rank: RankMemory) -> RankStep:
     """``step`` with ``rank``'s peak, candidates and model states (for reports and budgets)."""
     from dataclasses import fields
-    kw = {f.name: getattr(step, f.name) for f in fields(StepMemory)}
+    kw = {f.name: getattr(step, f.name) for f in fields(StepMemory) if f.init}
     kw.update(peak=rank.peak, candidates=rank.candidates, parameters=rank.parameters,
               gradients=rank.gradients, optimizer_states=rank.optimizer_states)
     return RankStep(**kw, rank=rank)
