@@ -91,3 +91,32 @@ def test_oracles_import_nothing_of_memsim():
            for line, mod in _imports(os.path.join(folder, f))
            if mod.split(".")[0] in ("memsim", *BARE)]
     assert not bad, "\n".join(bad)
+
+
+def test_declared_test_dependencies_import():
+    """Every distribution of the ``test`` extra imports (DeepSpeed as memsim imports it); in CI
+    (MEMSIM_STRICT_DEPS=1, tests/conftest.py) a missing or broken one fails the run instead of
+    skipping the QLoRA, 8-bit or ZeRO checks."""
+    import importlib
+    import re
+    import tomllib
+
+    import pytest
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    modules = {"pytest-xdist": "xdist"}
+    broken = []
+    for req in extra:
+        dist = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
+        try:
+            if dist == "deepspeed":
+                from memsim.strategies.ds_engine import _import_deepspeed
+                _import_deepspeed()
+            else:
+                importlib.import_module(modules.get(dist, dist.replace("-", "_")))
+        except Exception as e:  # noqa: BLE001 - any failure to import is what this reports
+            broken.append(f"{dist}: {type(e).__name__}: {e}")
+    if broken:
+        pytest.skip("test dependencies missing or broken (pip install -e '.[test]'): "
+                    + "; ".join(broken))
