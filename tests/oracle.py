@@ -25,7 +25,8 @@ def check(report, factory, inputs, points, **kw):
         if report.train is not None:
             m = measure_train(real, x, **kw)
             want = {"peak": m.peak, "parameters": m.parameters, "gradients": m.gradients,
-                    "optimizer_states": m.optimizer_states}
+                    "optimizer_states": m.optimizer_states, "activation_peak": m.activation_peak,
+                    "saved_activations": m.saved_activations}
             have = {k: got["train"][k] for k in want}
             assert have == want, f"train at {pt}: predicted {have}, measured {want}"
         if report.inference is not None:

@@ -223,13 +223,15 @@ def mlp_inputs(batch: int = 8, width: int = 64) -> dict:
 
 
 def llama_model(attn: str = "eager", layers: int = 2, use_cache: bool = False,
-                vocab: int = 128) -> nn.Module:
+                vocab: int = 128, hidden: int = 64, intermediate: int = 128, heads: int = 4,
+                kv_heads: int = 2, positions: int = 64) -> nn.Module:
     """Small HF Llama from config (fp32). ``use_cache=False``: no KV cache in training."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=64, use_cache=use_cache)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads,
+                      max_position_embeddings=positions, use_cache=use_cache)
     cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg)
 

@@ -40,6 +40,12 @@ class Measurement:
     gradients: int
     optimizer_states: int
     saved_at_backward: int  # all bytes live when backward starts, minus those live before forward
+    # bytes autograd saved for backward (its saved-tensor pack hook saw them) still live when
+    # backward starts, without parameters, buffers, inputs, gradients or optimizer states
+    saved_activations: int = 0
+    # most bytes live at once that are not parameters, gradients or optimizer states (old or
+    # new): activations, temporaries, buffers, inputs, the output and the loss
+    activation_peak: int = 0
 
 
 class _Counter(TorchDispatchMode):
@@ -49,6 +55,10 @@ class _Counter(TorchDispatchMode):
         self.cur = 0
         self.peak = 0
         self._fin: list = []
+        # every change of the live bytes, in order: (storage token, bytes added or removed);
+        # a token names one storage for its whole life (an id() is reused once it is freed)
+        self.log: list[tuple[int, int]] = []
+        self.token: dict[int, int] = {}
 
     def add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -57,16 +67,33 @@ class _Counter(TorchDispatchMode):
             n = st.nbytes()
             if n != self.live[key]:  # resized in place
                 self.cur += n - self.live[key]
+                self.log.append((self.token[key], n - self.live[key]))
                 self.live[key] = n
                 self.peak = max(self.peak, self.cur)
             return
         self.live[key] = st.nbytes()
+        self.token[key] = len(self.log)
+        self.log.append((self.token[key], st.nbytes()))
         self.cur += st.nbytes()
         self.peak = max(self.peak, self.cur)
         self._fin.append(weakref.finalize(st, self._drop, key))
 
+    def token_of(self, t: torch.Tensor) -> int:
+        return self.token[id(t.untyped_storage())]
+
+    def peak_without(self, tokens: set[int]) -> int:
+        """The most bytes live at once, the storages named by ``tokens`` left out."""
+        cur = peak = 0
+        for tok, n in self.log:
+            if tok not in tokens:
+                cur += n
+                peak = max(peak, cur)
+        return peak
+
     def _drop(self, key: int) -> None:
-        self.cur -= self.live.pop(key)
+        n = self.live.pop(key)
+        self.log.append((self.token.pop(key), -n))
+        self.cur -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -231,6 +258,15 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
     states = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     if master:
         states += list(opt.masters)
+    saved: set[int] = set()
+
+    def pack(t):
+        # a detached alias: the tensor itself would close a reference cycle (t -> grad_fn ->
+        # saved t) for an op's saved output, which gc does not collect in time
+        if id(t.untyped_storage()) in c.token:
+            saved.add(c.token_of(t))
+        return t.detach()
+
     with c:
         for t in list(model.parameters()) + list(model.buffers()):
             c.add(t)
@@ -244,11 +280,18 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
         for v in inputs.values():
             if isinstance(v, torch.Tensor):
                 c.add(v)
+        state = {c.token_of(t) for t in list(model.parameters()) + [p.grad for p in params]
+                 + states + (list(opt.main_grads) if master else [])
+                 + ([scaler._scale, scaler._growth_tracker] if scaler is not None else [])}
+        fixed = state | {c.token_of(t) for t in list(model.buffers()) + [
+            v for v in inputs.values() if isinstance(v, torch.Tensor)]}
         c.peak = c.cur
         opt.zero_grad(set_to_none=True)
         before = c.cur
         for _ in range(accumulate):
-            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            saved.clear()
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = model(**inputs)
                 loss = loss_fn(out)
                 if accumulate > 1:
@@ -256,21 +299,28 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
             at_backward = c.cur - before
             if not keep_outputs:
                 del out
+            grads_now = {c.token_of(p.grad) for p in params if p.grad is not None}
+            live = {tok: c.live[key] for key, tok in c.token.items()}
+            saved_bytes = sum(live[tok] for tok in saved - fixed - grads_now if tok in live)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
+        grads = [p.grad for p in params if p.grad is not None]
+        if master:
+            grads += list(opt.main_grads)
+        end_state = [v for st in inner.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor)]
+        state |= {c.token_of(t) for t in grads + end_state}
+        act_peak = c.peak_without(state)
     c.close()
     n = lambda ts: sum(t.untyped_storage().nbytes() for t in
                        {id(t.untyped_storage()): t for t in ts}.values())
-    grads = [p.grad for p in params if p.grad is not None]
-    if master:
-        grads += list(opt.main_grads)
     return Measurement(c.peak, n(model.parameters()), n(grads),
                        n(states + ([scaler._scale, scaler._growth_tracker] if scaler else [])),
-                       at_backward)
+                       at_backward, saved_bytes, act_peak)
 
 
 def measure_inference(model: torch.nn.Module, inputs: dict, precision: str = "32-true") -> int:
