@@ -33,7 +33,7 @@ def test_deepspeed_estimators_against_traced_zero2():
     device's model states in the trace. Without, it is 2P + 18P/N, where 18 = 2 grads_16bit +
     4 grads_32bit + 4 params_32bit + 8 optimizer states (the estimator's own comment): the
     trace's parameters and optimizer states are that less the 6P/N of gradients, which DeepSpeed
-    holds only around the step (the 16-bit partition is freed before the fp32 one is made).
+    holds only from backward to the end of the step (none left at its end).
     Stage 3's estimate adds 4 x the largest layer, a rule of thumb for the gathered working set,
     not a storage of the trace; its partitioned terms are the same as stage 2's."""
     _need_deepspeed()
