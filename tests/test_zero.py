@@ -37,9 +37,8 @@ def test_deepspeed_estimators_against_traced_zero2():
     Stage 3's estimate adds 4 x the largest layer, a rule of thumb for the gathered working set,
     not a storage of the trace; its partitioned terms are the same as stage 2's."""
     _need_deepspeed()
-    from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
-                                                      model_to_params)
-    p, n = model_to_params(O.mlp_model()), 2
+    from deepspeed.runtime.zero import stage_1_and_2 as ds
+    p, n = ds.model_to_params(O.mlp_model()), 2
     got = {}
     for offload in (True, False):
         with torch.device("meta"):
@@ -48,10 +47,10 @@ def test_deepspeed_estimators_against_traced_zero2():
         report = strategy_analyze(m, X64, zero=zero, device="cuda", inference=False,
                                   precision="bf16-master", optimizer=torch.optim.AdamW)
         got[offload] = report.at(B=8)["train"]
-    _, gpu = estimate_zero2_model_states_mem_needs(p, n, cpu_offload=True)
+    _, gpu = ds.estimate_zero2_model_states_mem_needs(p, n, cpu_offload=True)
     t = got[True]
     assert t["parameters"] + t["gradients"] + t["optimizer_states"] == gpu == 264_704
-    _, gpu = estimate_zero2_model_states_mem_needs(p, n, cpu_offload=False)
+    _, gpu = ds.estimate_zero2_model_states_mem_needs(p, n, cpu_offload=False)
     t = got[False]
     grads = (2 + 4) * p // n  # the estimator's grads_16bit + grads_32bit terms
     assert t["parameters"] + t["optimizer_states"] == gpu - grads == 1_058_816
