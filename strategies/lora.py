@@ -42,8 +42,8 @@ from memsim.tracer import StrategyError, UsageError
 
 from .base import Strategy, register_strategy
 
-__all__ = ["LoRA", "QLoRA", "LoRALayer", "NF4Linear", "apply_lora", "apply_qlora",
-           "lora_targets", "parse_lora"]
+__all__ = ["LoRA", "QLoRA", "LoRALayer", "LoRA4bitLayer", "NF4Linear", "apply_lora",
+           "apply_qlora", "lora_targets", "parse_lora"]
 
 
 @register_strategy
@@ -121,6 +121,19 @@ class LoRALayer(torch.nn.Module):
         # base) and the sum back to the base output's dtype
         res = out + self.lora_B(self.lora_A(self.lora_dropout(x.to(dt)))) * self.scaling
         return res.to(out.dtype)
+
+
+class LoRA4bitLayer(LoRALayer):
+    """peft's ``lora.Linear4bit`` forward on a 4-bit base: the base output cloned (peft clones
+    it "defensively" before adding to it), the adapters' output cast to its dtype, then added."""
+
+    def forward(self, x):
+        result = self.base_layer(x).clone()
+        dt = self.lora_A.weight.dtype
+        x = x if x.dtype == dt else x.to(dt)
+        # one expression: the adapter's unscaled output is freed before the sum, as in peft
+        return result + (self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).to(
+            result.dtype)
 
 
 def _head_names(model: torch.nn.Module) -> set[str]:
@@ -274,9 +287,11 @@ class NF4Linear(torch.nn.Module):
             self.register_buffer("offset", torch.empty((), dtype=f32, device=dev))
         else:
             self.register_buffer("absmax", torch.empty(blocks, dtype=f32, device=dev))
+        # bitsandbytes casts the bias to compute_dtype in place on the first forward
+        # (``bias.data = bias.data.to(x.dtype)``): from then on it is held in that dtype
         bias = getattr(base, "bias", None)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(),
-                                                                 requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(
+            bias.detach().to(self.compute_dtype), requires_grad=False)
 
     def quant_state(self):
         import bitsandbytes.functional as bf
@@ -295,8 +310,8 @@ class NF4Linear(torch.nn.Module):
 
         inp = x.dtype
         x = x.to(self.compute_dtype)
-        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state()).to(inp)
+        return bnb.matmul_4bit(x, self.weight, bias=self.bias,
+                               quant_state=self.quant_state()).to(inp)
 
 
 def apply_qlora(model: torch.nn.Module, q: QLoRA) -> torch.nn.Module:
@@ -320,7 +335,7 @@ def apply_qlora(model: torch.nn.Module, q: QLoRA) -> torch.nn.Module:
         layer: torch.nn.Module = NF4Linear(mod, q)
         if name in targets:
             # adapters in fp32, peft's default (autocast_adapter_dtype=True)
-            layer = LoRALayer(layer, q.r, q.scaling, q.dropout, like=mod.weight,
-                              dtype=torch.float32)
+            layer = LoRA4bitLayer(layer, q.r, q.scaling, q.dropout, like=mod.weight,
+                                  dtype=torch.float32)
         setattr(parent, child, layer)
     return m

@@ -78,7 +78,10 @@ class StateLayout(torch.optim.Optimizer):
 
 
 class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023), with the update of the reference implementation."""
+    """Lion (Chen et al. 2023), with the update of the reference implementation (lucidrains'
+    ``lion-pytorch``; ``tests/test_optimizers.py`` runs it for real): one update per parameter
+    in a function of its own, so each update's two temporaries are freed before the next
+    parameter's (kept in ``step``'s loop, the last update lived into the next one's)."""
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0):
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
@@ -86,19 +89,23 @@ class Lion(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 st = self.state[p]
                 if not st:
                     st["exp_avg"] = torch.zeros_like(p)
-                exp_avg = st["exp_avg"]
-                p.mul_(1 - lr * wd)
-                update = exp_avg.clone().mul_(beta1).add(p.grad, alpha=1 - beta1).sign_()
-                p.add_(update, alpha=-lr)
-                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+                _lion_update(p, p.grad, st["exp_avg"], group["lr"], group["weight_decay"],
+                             *group["betas"])
+
+
+def _lion_update(p, grad, exp_avg, lr, wd, beta1, beta2) -> None:
+    """One parameter's Lion step: decoupled weight decay, the sign of the interpolated moment,
+    then the moment's update."""
+    p.mul_(1 - lr * wd)
+    update = exp_avg.clone().mul_(beta1).add(grad, alpha=1 - beta1).sign_()
+    p.add_(update, alpha=-lr)
+    exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
 
 
 def register_optimizer(name: str, factory: Callable | None = None, *,
