@@ -39,7 +39,7 @@ def test_limits_fit_and_next_size_does_not_real_run(solve):
     assert _measured_peak(zoo.Block, SEQ, {**point, solve: ans + 1}) > cap
     assert b.overhead == {"fragmentation": 0, "cuda_context": 0, "cublas_workspace": 0,
                           "comm_buffers": 0}  # CPU: no CUDA terms
-    assert b.total == b.allocated == report.at(**point)["train"]["peak"]
+    assert b.total == b.allocated == _measured_peak(zoo.Block, SEQ, point)  # the real run's
 
 
 def test_limit_below_the_formula_range_uses_the_size_one_trace():
@@ -53,19 +53,31 @@ def test_limit_below_the_formula_range_uses_the_size_one_trace():
 
 
 def test_margin_headroom_and_overheads_on_cuda():
+    """The budget's figures from the terms the module documents, computed here: the allocated
+    peak (report.at, 512-byte blocks), 5% of it for fragmentation, the given context, Hopper's
+    cuBLAS workspaces; fits within capacity * 0.9; the largest B and S are the last sizes that
+    fit (checked at the answer and the next size with this total, not the budget's)."""
     with torch.device("meta"):
         m = zoo.Block()
     from memsim.analysis import analyze
     r = analyze(m, SEQ, device="cuda", inference=False)
     h100 = gpu("H100 80GB")
     b = plan(r, {"B": 4, "S": 64}, gpu=h100, overheads=Overheads(cuda_context=100 * 2 ** 20))
-    assert b.capacity == 81559 * 2 ** 20
-    assert b.overhead["cuda_context"] == 100 * 2 ** 20
-    assert b.overhead["cublas_workspace"] == 33 * 2 ** 20  # Hopper: cuBLAS 32 MiB + cuBLASLt 1 MiB
-    assert b.overhead["fragmentation"] == int(b.allocated * 0.05)
-    assert b.total == b.allocated + sum(b.overhead.values())
-    assert b.fits and b.headroom == pytest.approx((b.capacity - b.total) / b.capacity)
-    assert b.max_seq is not None and b.max_batch is not None
+    capacity = 81559 * 2 ** 20  # H100 80GB: 81,559 MiB (nvidia-smi)
+    usable = int(capacity * (1 - 0.10))  # the default margin
+
+    def total(B, S):
+        peak = r.at(B=B, S=S)["train"]["peak"]
+        # fragmentation 5%, context as given, cuBLAS 32 MiB (sm90: 4096 KiB * 8) + cuBLASLt 1 MiB
+        return peak + int(peak * 0.05) + 100 * 2 ** 20 + 33 * 2 ** 20
+
+    assert b.capacity == capacity
+    assert b.allocated == r.at(B=4, S=64)["train"]["peak"]
+    assert b.overhead == {"fragmentation": int(b.allocated * 0.05), "cuda_context": 100 * 2 ** 20,
+                          "cublas_workspace": 33 * 2 ** 20, "comm_buffers": 0}
+    assert b.total == total(4, 64) and b.fits and b.headroom == (capacity - total(4, 64)) / capacity
+    assert total(b.max_batch, 64) <= usable < total(b.max_batch + 1, 64)
+    assert total(4, b.max_seq) <= usable < total(4, b.max_seq + 1)
 
 
 def test_units_are_explicit():
@@ -98,6 +110,15 @@ ARGS = ["examples/nanogpt_block.py:small", "--input", "x=float32[B,S,64]", "--de
         "--at", "B=2,S=8"]
 
 
+def _example_peak():
+    """A real CPU step of ARGS's target at B 2, S 8."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("nanogpt_block", "examples/nanogpt_block.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return _measured_peak(mod.small, {"x": ("float32", ["B", "S", 64])}, {"B": 2, "S": 8})
+
+
 def test_cli_budget_json_and_fit_exit_codes(capsys):
     assert main(["analyze", *ARGS, "--memory", "1GiB", "--json", "--train"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -105,7 +126,7 @@ def test_cli_budget_json_and_fit_exit_codes(capsys):
     assert set(b) >= {"gpu", "capacity", "total", "overhead", "fits", "headroom", "max_batch",
                       "max_seq"}
     assert b["gpu"] is None and b["capacity"] == 2 ** 30 and b["fits"] is True
-    assert b["total"] == doc["train"]["peak"]["bytes"]  # CPU: no overhead terms
+    assert b["total"] == _example_peak()  # CPU: no overhead terms, the real run's peak
     assert main(["fit", *ARGS, "--memory", "512KiB"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["fit", *ARGS, "--memory", "1GiB"]) == 0

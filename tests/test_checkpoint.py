@@ -9,6 +9,7 @@ import torch
 
 import zoo
 from oracle import check, predict
+from oracles.measure import example_inputs, measure_train
 from memsim.strategies.checkpoint import (apply_checkpointing, blocks, named_plan, optimal_plan,
                                    plans_over_range, ranking)
 from memsim.cli import main
@@ -130,13 +131,31 @@ def test_cli_checkpoint_range(capsys):
             "--range", "S=8:64"]
     code = main(args + ["--search", "blocks", "--json"])
     doc = json.loads(capsys.readouterr().out)
-    assert doc["bands"] and doc["bands"][0]["from"] == 8 and doc["at"]["S"] == 64
-    assert doc["search"] == "blocks"
-    assert code == (0 if doc["bands"][-1]["to"] == 64 else 1)
-    main(args[:-1] + ["S=8:12"])    # the text (a range the plan-free step fits: one trace)
-    assert "Optimal plan for S = 8..12" in capsys.readouterr().out
+    assert doc["at"]["S"] == 64 and doc["search"] == "blocks"
+    bands = [(b["from"], b["to"], b["plan"]) for b in doc["bands"]]
+    assert bands == [(8, 33, []), (34, 53, ["h.0"]), (54, 56, ["h.0", "h.1"])]
+    # real runs: each band's plan fits at its top S and not one S above, where the band after
+    # needs one more block; beyond S = 56 not even both blocks fit, so the range does not fit
+    for lo, hi, plan in bands:
+        assert _real_peak(len(plan), hi) <= 2 ** 20 < _real_peak(len(plan), hi + 1)
+    assert code == 1
+    assert main(args[:-1] + ["S=8:12"]) == 0   # the text (the plan-free step fits: one trace)
+    out = capsys.readouterr().out
+    assert "Optimal plan for S = 8..12" in out and "8..12  0 of 2" in out
     assert main(args + ["--plan", "blocks"]) == 2
     assert main(args[:-1] + ["S=64:8"]) == 2
+
+
+def _real_peak(checkpointed: int, S: int) -> int:
+    """A real CPU step of the CLI's TinyGPT at B 4 and ``S``, its first ``checkpointed``
+    blocks under non-reentrant torch.utils.checkpoint (wrapped here, not by memsim)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    m = zoo.TinyGPT()
+    for b in m.h[:checkpointed]:
+        b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
+    return measure_train(m, example_inputs(GPT, {"B": 4, "S": S})).peak
 
 
 def test_ranking_groups_repeated_blocks():
@@ -152,8 +171,31 @@ def test_cli_checkpoint_json(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["plan"] == ["h.0", "h.1"]
     assert set(doc) >= {"plan", "train", "recompute_flops", "step_flops"}
-    assert doc["recompute_flops"]["bytes"] > 0  # an E: formula and value (FLOPs here)
+    # Recomputed in backward, per block (d 32, B*S = 32 tokens, torch.utils.flop_counter's
+    # 2*m*n*k per matmul): c_attn 2*32*32*96 = 196,608, c_proj 2*32*32*32 = 65,536, mlp's first
+    # Linear 2*32*32*128 = 262,144; not its last Linear, whose output nothing saves (the
+    # non-reentrant checkpoint stops early); CPU's flash-attention kernel has no formula there
+    assert doc["recompute_flops"] == {"formula": "32768*B*S",
+                                      "bytes": 2 * (196_608 + 65_536 + 262_144)}
+    assert doc["step_flops"]["bytes"] == _real_step_flops(2) and \
+        doc["recompute_flops"]["bytes"] == _real_step_flops(2) - _real_step_flops(0)
     assert main(args[:-3] + ["--plan", "optimal"]) == 2  # optimal needs a budget
+
+
+def _real_step_flops(checkpointed: int) -> int:
+    """FlopCounterMode over a real training step of TinyGPT (B 2, S 16) with its first
+    ``checkpointed`` blocks under torch.utils.checkpoint (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    m = zoo.TinyGPT()
+    for b in m.h[:checkpointed]:
+        b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
+    idx = torch.zeros(2, 16, dtype=torch.int64)
+    with FlopCounterMode(display=False) as fc:
+        m(idx, idx).backward()
+    return fc.get_total_flops()
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import torch
 
 import zoo
 from memsim.analysis import analyze
+from oracles.measure import measure_train
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 
@@ -62,12 +63,20 @@ def test_cuda_blocks_are_512_byte_multiples():
     """The caching allocator charges 512-byte blocks: a bias of 4 floats costs 512 bytes."""
     with torch.device("meta"):
         m = torch.nn.Linear(32, 4)
-    r = analyze(m, {"input": ("float32", ["B", 32])}, device="cuda", optimizer=lambda p:
-                torch.optim.SGD(p, lr=0.1))
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    r = analyze(m, {"input": ("float32", ["B", 32])}, device="cuda", optimizer=sgd)
     assert r.train.parameters == 512 + 512  # weight 512 B, bias 16 B -> 512 B
-    c = analyze(m, {"input": ("float32", ["B", 32])}, device="cpu", optimizer=lambda p:
-                torch.optim.SGD(p, lr=0.1))
+    c = analyze(m, {"input": ("float32", ["B", 32])}, device="cpu", optimizer=sgd)
     assert c.train.parameters == 512 + 16
+    # Live at the peak (backward's end, the output kept): weight 512, bias 16, input (B, 32)
+    # 128*B, output (B, 4) 16*B, loss 4, backward's seed of ones 4, weight grad 512, bias grad
+    # 16 (SGD without momentum: no state; its update is in place). On the CPU that is
+    # 144*B + 1,064, a real run's peak; on CUDA each storage takes whole 512-byte blocks:
+    # 512*ceil(128*B/512) + 512*ceil(16*B/512) + 6 * 512
+    blocks = lambda n: 512 * -(-n // 512)  # noqa: E731
     for b in (2, 3, 100, 1000):
-        got = r.at(B=b)["train"]["peak"]
-        assert got % 512 == 0 and got >= c.at(B=b)["train"]["peak"]
+        assert c.at(B=b)["train"]["peak"] == 144 * b + 1064 == measure_train(
+            torch.nn.Linear(32, 4), {"input": torch.randn(b, 32)}, optimizer=sgd).peak
+        assert r.at(B=b)["train"]["peak"] == blocks(128 * b) + blocks(16 * b) + 6 * 512
+    assert [r.at(B=b)["train"]["peak"] for b in (2, 3, 100, 1000)] == [
+        512 + 512 + 3072, 512 + 512 + 3072, 12_800 + 2_048 + 3072, 128_000 + 16_384 + 3072]

@@ -109,7 +109,9 @@ def test_out_of_range_point_says_so():
     with pytest.raises(OutOfRangeError, match="B=1"):
         r.at(B=1)  # below the formula's range: at() names for_point, which traces it...
     sub, pt = r.for_point({"B": 1})
-    assert sub.fixed == {"B": 1} and sub.at(**pt)["train"]["peak"] > 0  # ...with B fixed to 1
+    assert sub.fixed == {"B": 1}  # ...with B fixed to 1, and its figures are a real run's
+    from oracle import check
+    check(r, lambda: nn.Linear(4, 4), {"input": ("float32", ["B", 4])}, [{"B": 1}])
     with pytest.raises(InputError, match="lacks B"):
         r.at(S=3)
 

@@ -84,12 +84,25 @@ def test_8bit_layout_equals_bitsandbytes(name, cls):
 
 
 def test_paged_states_are_on_the_host_on_cuda():
+    """bitsandbytes pages a moment buffer only for a parameter of at least 1e5 elements
+    (``Optimizer8bit.get_state_buffer``); the absmax blocks, the quantization maps and smaller
+    parameters' moments are ordinary device tensors (``Optimizer2State.init_state``)."""
     with torch.device("meta"):
-        m = torch.nn.Linear(128, 128)
+        m = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 1024))
     inp = {"input": ("float32", ["B", 128])}
     paged = analyze(m, inp, optimizer="paged_adamw8bit", inference=False)
     plain = analyze(m, inp, optimizer="adamw8bit", inference=False)
-    assert paged.train.optimizer_states == 0 and plain.train.optimizer_states > 0
+    # on CUDA, each tensor in 512-byte blocks:
+    # 0.weight, 16,384 elements: 2 uint8 moments 2 * 16,384; 2 absmax of 64 floats (256 -> 512)
+    # 0.bias, 128 (< 4,096): 2 float32 moments of 512
+    # 1.weight, 131,072: 2 uint8 moments 2 * 131,072; 2 absmax of 512 floats, 2 * 2,048
+    # 1.bias, 1,024: 2 float32 moments of 4,096
+    # the shared signed and unsigned maps, 256 floats each: 2 * 1,024
+    small = 2 * 16_384 + 2 * 512 + 2 * 512 + 2 * 2_048 + 2 * 4_096 + 2 * 1_024
+    assert plain.train.optimizer_states == small + 2 * 131_072 == 311_296
+    assert paged.train.optimizer_states == small == 49_152  # 1.weight's moments are paged
+    host = [s for s in paged.train.trace.run.storages if s.device == "host"]
+    assert sorted(int(s.nbytes) for s in host) == [131_072, 131_072]
 
 
 def test_register_a_state_rule_in_a_few_lines():

@@ -44,7 +44,8 @@ class OptimizerEntry:
     name: str
     factory: Callable
     doc: str
-    host_state: bool = False  # states live off the device (paged / unified memory)
+    # which states live off the device on CUDA (paged / unified memory): host_state(p, name)
+    host_state: Callable[[torch.Tensor, str], bool] | None = None
 
 
 _REGISTRY: dict[str, OptimizerEntry] = {}
@@ -110,9 +111,10 @@ def _lion_update(p, grad, exp_avg, lr, wd, beta1, beta2) -> None:
 
 def register_optimizer(name: str, factory: Callable | None = None, *,
                        state: StateFn | None = None, shared: dict | None = None,
-                       doc: str = "", host_state: bool = False) -> OptimizerEntry:
+                       doc: str = "", host_state: bool | Callable = False) -> OptimizerEntry:
     """Register an optimizer by ``name``: a traced ``factory(params)`` or a state layout. A name
-    already registered, or one of torch.optim's, is an error."""
+    already registered, or one of torch.optim's, is an error. ``host_state``: True when every
+    state lives in host (paged) memory on CUDA, or ``host_state(param, state_name) -> bool``."""
     if (factory is None) == (state is None):
         raise UsageError(f"register_optimizer({name!r}): give exactly one of factory= or state=")
     if name.lower() in _REGISTRY or name.lower() in _torch_optimizers():
@@ -120,7 +122,9 @@ def register_optimizer(name: str, factory: Callable | None = None, *,
                          hint="choose another name")
     if factory is None:
         factory = lambda params: StateLayout(params, state, shared)  # noqa: E731
-    entry = OptimizerEntry(name.lower(), factory, doc, host_state)
+    if host_state is True:
+        host_state = lambda p, name: True  # noqa: E731
+    entry = OptimizerEntry(name.lower(), factory, doc, host_state or None)
     _REGISTRY[entry.name] = entry
     return entry
 
@@ -137,6 +141,13 @@ def _bnb_8bit(moments: int, min_8bit_size: int = 4096, block: int = 256) -> tupl
 
     shared = {f"qmap{i + 1}": ((256,), torch.float32) for i in range(moments)}
     return state, shared
+
+
+def _bnb_paged(p: torch.Tensor, name: str) -> bool:
+    """A paged bitsandbytes optimizer pages a moment buffer only for a parameter of at least
+    1e5 elements (``Optimizer8bit.get_state_buffer``); smaller parameters' moments, the absmax
+    blocks and the quantization maps are ordinary device tensors."""
+    return name.startswith("state") and p.numel() >= 100_000
 
 
 def _torch_optimizers() -> dict[str, type]:
@@ -168,7 +179,7 @@ for _name, _moments, _paged in [("adamw8bit", 2, False), ("adam8bit", 2, False),
                                 ("paged_adamw8bit", 2, True), ("paged_adam8bit", 2, True),
                                 ("lion8bit", 1, False), ("paged_lion8bit", 1, True)]:
     _st, _sh = _bnb_8bit(_moments)
-    register_optimizer(_name, state=_st, shared=_sh, host_state=_paged,
+    register_optimizer(_name, state=_st, shared=_sh, host_state=_bnb_paged if _paged else False,
                        doc=f"bitsandbytes {_name} state layout ({_moments} x 8-bit + absmax)")
 register_optimizer("lion", lambda params: Lion(params), doc="Lion (reference update)")
 register_optimizer("sgd-momentum", lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),

@@ -630,11 +630,12 @@ def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
         recorder.set_category(p.grad, Category.GRADIENT)
     inner = opt.inner if isinstance(opt, MasterWeights) else opt
     on_device_steps = any(g.get("capturable") or g.get("fused") for g in inner.param_groups)
-    paged = device == "cuda" and getattr(inner, "_memsim_host_state", False)
-    for state in inner.state.values():
+    paged = getattr(inner, "_memsim_host_state", None) if device == "cuda" else None
+    for p, state in inner.state.items():
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 recorder.set_category(v, Category.OPTIMIZER_STATE)
-                if paged or (device == "cuda" and k == "step" and v.dim() == 0
-                             and not on_device_steps):
+                if (paged is not None and paged(p, k)) or (
+                        device == "cuda" and k == "step" and v.dim() == 0
+                        and not on_device_steps):
                     recorder.set_host(v)
