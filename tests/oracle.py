@@ -15,8 +15,12 @@ def predict(factory, inputs, **kw):
     return analyze(model, inputs, device="cpu", **kw)
 
 
-def check(report, factory, inputs, points, **kw):
-    """Assert prediction == measurement at every point, for every figure the oracle has."""
+def check(report, factory, inputs, points, *, module_name=None, **kw):
+    """Assert prediction == measurement at every point, for every figure the oracle has.
+
+    ``module_name`` maps a module path of the real model to memsim's (the real model may be
+    wrapped differently: peft's ``base_model.model.h.0.attn.c_attn.lora_A.default`` is memsim's
+    ``h.0.attn.c_attn.lora_A``); a path it maps to ``None`` is left out."""
     for pt in points:
         torch.manual_seed(0)
         real = materialize(factory())
@@ -29,10 +33,28 @@ def check(report, factory, inputs, points, **kw):
                     "saved_activations": m.saved_activations}
             have = {k: got["train"][k] for k in want}
             assert have == want, f"train at {pt}: predicted {have}, measured {want}"
+            saved = module_savings(report, pt)
+            if saved is not None:
+                real_saved = {module_name(k) if module_name else k: v
+                              for k, v in m.saved_by_module.items()}
+                real_saved.pop(None, None)
+                assert saved == real_saved, \
+                    f"saved per module at {pt}: predicted {saved}, measured {real_saved}"
         if report.inference is not None:
             mi = measure_inference(real, x, kw.get("precision", "32-true"))
             assert got["inference"]["peak"] == mi, \
                 f"inference at {pt}: predicted {got['inference']['peak']}, measured {mi}"
+
+
+def module_savings(report, point: dict) -> dict | None:
+    """Bytes each module's forward saves for backward at ``point`` (zeros left out), from the
+    report that covers it; ``None`` where that report has no per-module figures."""
+    shown, at = report.for_point(point)
+    if not shown.modules:
+        return None
+    subs = {sym: at[name] for name, sym in shown.symbols.items() if name in at}
+    out = {m.path: int(m.saved.xreplace(subs)) for m in shown.modules if m.path}
+    return {k: v for k, v in out.items() if v}
 
 
 def figures(report, **point) -> dict:

@@ -28,6 +28,14 @@ def _peft(factory, lora: LoRA, target_modules):
     return real
 
 
+def peft_name(path: str) -> str | None:
+    """peft's module path as memsim names it: ``base_model.model.h.0.attn.c_attn.lora_A.default``
+    is ``h.0.attn.c_attn.lora_A``; peft's two wrapper roots are memsim's root (left out)."""
+    if path in ("base_model", "base_model.model"):
+        return None
+    return path.removeprefix("base_model.model.").removesuffix(".default")
+
+
 def tiny_lora(**kw):
     def factory():
         return apply_lora(zoo.TinyGPT(layers=2, sdpa=False), LoRA(**kw))
@@ -43,7 +51,7 @@ def test_lora_matches_real_peft_run(kw, targets):
     the attention; all but the head, with dropout)."""
     real = _peft(lambda: zoo.TinyGPT(layers=2, sdpa=False), LoRA(**kw), targets)
     report = predict(tiny_lora(**kw), GPT, inference=False)
-    check(report, real, GPT, [{"B": 2, "S": 8}, {"B": 3, "S": 21}])
+    check(report, real, GPT, [{"B": 2, "S": 8}, {"B": 3, "S": 21}], module_name=peft_name)
 
 
 def test_frozen_base_has_no_gradients_or_state():
@@ -85,7 +93,7 @@ def test_lora_on_hf_llama_matches_real_peft_run(targets, dropout):
     assert {n.rsplit(".", 1)[-1] for n in lora_targets(llama(), "attention")} == set(ATTENTION)
     report = predict(factory, LM, inference=False)
     real = _peft(llama, lora, ATTENTION if targets == "attention" else list(targets))
-    check(report, real, LM, [{"B": 2, "S": 8}, {"B": 3, "S": 13}])
+    check(report, real, LM, [{"B": 2, "S": 8}, {"B": 3, "S": 13}], module_name=peft_name)
 
 
 class Wide(torch.nn.Module):
@@ -106,7 +114,8 @@ def test_lora_peak_inside_the_adapter_matches_peft(precision, dropout):
     report = predict(lambda: apply_lora(Wide(), lora), X, inference=False, precision=precision)
     pt = {"B": 64}
     assert report.train.winner(pt).label.module == "proj"
-    check(report, _peft(Wide, lora, ["proj"]), X, [pt, {"B": 200}], precision=precision)
+    check(report, _peft(Wide, lora, ["proj"]), X, [pt, {"B": 200}], precision=precision,
+          module_name=peft_name)
 
 
 def test_lora_targets_and_errors():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -46,6 +46,9 @@ class Measurement:
     # most bytes live at once that are not parameters, gradients or optimizer states (old or
     # new): activations, temporaries, buffers, inputs, the output and the loss
     activation_peak: int = 0
+    # per module path (the root left out): the bytes of saved_activations that ops inside the
+    # module (or its submodules) saved
+    saved_by_module: dict = field(default_factory=dict)
 
 
 class _Counter(TorchDispatchMode):
@@ -259,13 +262,29 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
     if master:
         states += list(opt.masters)
     saved: set[int] = set()
+    by_module: dict[str, set[int]] = {}
+    names: dict[int, str] = {}
+    for name, mod in model.named_modules():
+        names.setdefault(id(mod), name)
+    stack: list[str] = []
 
     def pack(t):
         # a detached alias: the tensor itself would close a reference cycle (t -> grad_fn ->
         # saved t) for an op's saved output, which gc does not collect in time
         if id(t.untyped_storage()) in c.token:
-            saved.add(c.token_of(t))
+            tok = c.token_of(t)
+            saved.add(tok)
+            for name in stack:
+                by_module.setdefault(name, set()).add(tok)
         return t.detach()
+
+    def enter(mod, args):
+        stack.append(names.get(id(mod), ""))
+
+    def leave(mod, args, out):
+        stack.pop()
+
+    from torch.nn.modules import module as _module
 
     with c:
         for t in list(model.parameters()) + list(model.buffers()):
@@ -290,18 +309,27 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
         before = c.cur
         for _ in range(accumulate):
             saved.clear()
-            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = model(**inputs)
-                loss = loss_fn(out)
-                if accumulate > 1:
-                    loss = loss / accumulate
+            by_module.clear()
+            hooks = [_module.register_module_forward_pre_hook(enter),
+                     _module.register_module_forward_hook(leave, always_call=True)]
+            try:
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None), \
+                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(**inputs)
+                    loss = loss_fn(out)
+                    if accumulate > 1:
+                        loss = loss / accumulate
+            finally:
+                for h in hooks:
+                    h.remove()
             at_backward = c.cur - before
             if not keep_outputs:
                 del out
             grads_now = {c.token_of(p.grad) for p in params if p.grad is not None}
             live = {tok: c.live[key] for key, tok in c.token.items()}
-            saved_bytes = sum(live[tok] for tok in saved - fixed - grads_now if tok in live)
+            kept = lambda toks: sum(live[tok] for tok in toks - fixed - grads_now if tok in live)
+            saved_bytes = kept(saved)
+            saved_by_module = {name: kept(toks) for name, toks in by_module.items() if name}
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.step(opt)
@@ -320,7 +348,8 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
                        {id(t.untyped_storage()): t for t in ts}.values())
     return Measurement(c.peak, n(model.parameters()), n(grads),
                        n(states + ([scaler._scale, scaler._growth_tracker] if scaler else [])),
-                       at_backward, saved_bytes, act_peak)
+                       at_backward, saved_bytes, act_peak,
+                       {k: v for k, v in saved_by_module.items() if v})
 
 
 def measure_inference(model: torch.nn.Module, inputs: dict, precision: str = "32-true") -> int:
