@@ -79,6 +79,7 @@ __all__ = [
     "Plain", "FSDP2", "TP", "DeepSpeed", "RankMemory", "measure", "measure_step",
     "measure_deepspeed_step",
     "mlp_model", "mlp_inputs", "llama_model", "llama_inputs", "LLAMA_TP_PLAN", "default_loss",
+    "with_lora", "with_checkpointing",
 ]
 
 
@@ -237,6 +238,31 @@ def llama_model(attn: str = "eager", layers: int = 2, use_cache: bool = False,
 def llama_inputs(batch: int = 2, seq: int = 16, vocab: int = 128) -> dict:
     ids = torch.randint(0, vocab, (batch, seq))
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def with_lora(model_fn: Callable[[], nn.Module], r: int = 4,
+              targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> nn.Module:
+    """``model_fn()`` with LoRA adapters from peft's own ``get_peft_model`` (``lora_alpha`` 2r,
+    no dropout, base weights frozen). Module paths gain peft's ``base_model.model.`` prefix."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model_fn(), LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                                 target_modules=list(targets)))
+
+
+def with_checkpointing(model_fn: Callable[[], nn.Module],
+                       blocks: Sequence[str] | None = None) -> nn.Module:
+    """``model_fn()`` with the ``forward`` of each block (module paths; ``None``: as
+    :class:`FSDP2` finds them) wrapped in non-reentrant ``torch.utils.checkpoint`` in place, so
+    that module hooks (FSDP2's all-gathers) stay outside the checkpointed region, as with
+    ``checkpoint_wrapper`` applied before ``fully_shard``."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = model_fn()
+    for path in (_auto_blocks(model) if blocks is None else blocks):
+        mod = model.get_submodule(path)
+        mod.forward = functools.partial(checkpoint, mod.forward, use_reentrant=False)
+    return model
 
 
 def adamw(params):
