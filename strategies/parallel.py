@@ -257,8 +257,31 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
                                 hint="patterns match module paths; * stands for one component")
         for n in hit:
             out[n] = style
+    out = _lora_split(model, out, tp)
     _check_divisible(model, out, tp.tp)
     return sp_plan(model, out) if tp.sequence_parallel else out
+
+
+def _lora_split(model: torch.nn.Module, plan: dict[str, str],
+                tp: TensorParallel) -> dict[str, str]:
+    """A LoRA layer the plan shards: its frozen base as the plan says, and the adapter on the
+    sharded side with it (column-wise: B splits its output, A stays whole; row-wise: A splits
+    its input and all-reduces its r outputs, B stays whole), so that both sums are local."""
+    from .lora import LoRALayer
+
+    mods = dict(model.named_modules())
+    out = {}
+    for name, style in plan.items():
+        if not isinstance(mods[name], LoRALayer) or style not in (Style.COLWISE,
+                                                                   Style.ROWWISE):
+            out[name] = style
+            continue
+        if tp.sequence_parallel:
+            raise StrategyError(f"sequence parallelism with a LoRA adapter on {name} is not "
+                                "supported", hint="analyse TensorParallel without --sp")
+        out[f"{name}.base_layer"] = style
+        out[f"{name}.{'lora_B' if style is Style.COLWISE else 'lora_A'}"] = style
+    return out
 
 
 def _is_norm(m: torch.nn.Module) -> bool:
