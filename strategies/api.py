@@ -93,7 +93,14 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
                                 driver=plan.driver(rank) if plan.driver else None)
 
     ranks = plan.ranks
-    if ranks.sampled is None:
+    if ranks.by_sizes is not None:
+        reports = {0: traced(0)}
+        classes = ranks.by_sizes(_sizes(reports[0], inputs, fixed))
+        reports.update({c[0]: traced(c[0]) for c in classes if c[0] not in reports})
+        classes = _merged(classes, reports)
+        reports = {c[0]: reports[c[0]] for c in classes}
+        shown = 0
+    elif ranks.sampled is None:
         classes = ranks.classes
         reports = {c[0]: traced(c[0]) for c in classes}
         shown = classes[0][0]
@@ -121,6 +128,29 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
             # any report is handed out (the reports are frozen from then on)
             object.__setattr__(rep, "rank_classes", rows)
     return out
+
+
+def _sizes(report: Report, inputs: dict, fixed: Mapping[str, int] | None) -> list[int]:
+    """Every size the trace of ``report`` ran at: the symbols' example sizes, the fixed ones,
+    and the integer dimensions of the inputs' specs."""
+    step = report.train or report.inference
+    dims = [d for v in inputs.values() if isinstance(v, (tuple, list)) and len(v) == 2
+            and isinstance(v[1], (tuple, list)) for d in v[1]]
+    return sorted({*step.trace.hints.values(), *(fixed or {}).values(),
+                   *(d for d in dims if isinstance(d, int) and not isinstance(d, bool))})
+
+
+def _merged(classes, reports: dict[int, Report]) -> tuple[tuple[int, ...], ...]:
+    """``classes`` (each traced as its first rank) with those of equal figures merged."""
+    def key(rep):
+        return tuple(str(getattr(s, f)) for s in (rep.train, rep.inference) if s is not None
+                     for f in ("peak", "parameters", "gradients", "optimizer_states",
+                               "saved_activations", "activation_peak"))
+
+    groups: dict[tuple, list[int]] = {}
+    for c in classes:
+        groups.setdefault(key(reports[c[0]]), []).extend(c)
+    return tuple(tuple(sorted(g)) for g in groups.values())
 
 
 def _at_hints(report: Report) -> int:

@@ -87,13 +87,17 @@ class Ranks:
     """Which ranks are traced, and how they group into ranks with equal memory.
 
     ``classes``: groups known before tracing (equal local shapes), each traced as its first
-    rank, rank 0's shown. ``sampled``: ranks traced and then grouped by their peak formula,
-    the largest peak at the example sizes shown (DeepSpeed's partitions).
+    rank, rank 0's shown. ``by_sizes``: where activations split too (sequence parallelism),
+    ``fn(sizes) -> classes`` from the sizes rank 0's trace ran at (the example size of every
+    symbol, the fixed ones, the inputs' integer dimensions); each class is traced, and classes
+    whose figures are the same formulas merge. ``sampled``: ranks traced and then grouped by
+    their peak formula, the largest peak at the example sizes shown (DeepSpeed's partitions).
     """
 
     world: int = 1
     classes: tuple[tuple[int, ...], ...] = ((0,),)
     sampled: tuple[int, ...] | None = None
+    by_sizes: Callable | None = None
 
 
 @dataclass(frozen=True)

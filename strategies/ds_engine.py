@@ -260,6 +260,7 @@ class DeepSpeedDriver(Driver):
             for name in names:
                 for t in _tensors(getattr(opt, name, None)):
                     recorder.set_category(t, cat)
+        _label_master_grads(opt, recorder)
         inner = getattr(opt, "optimizer", None)
         for state in (getattr(inner, "state", None) or {}).values():
             for v in state.values():
@@ -274,6 +275,16 @@ class DeepSpeedDriver(Driver):
         for name in _HOLDS[Category.GRADIENT]:
             for t in _tensors(getattr(opt, name, None)):
                 recorder.set_category(t, Category.GRADIENT)
+        _label_master_grads(opt, recorder)
+
+
+def _label_master_grads(opt, recorder) -> None:
+    """The fp32 master partitions' own gradients are gradients (ZeRO-Offload keeps one on the
+    host for the CPU optimizer, besides the partition buffer the reduction writes)."""
+    for name in _HOLDS[Category.OPTIMIZER_STATE]:
+        for t in _tensors(getattr(opt, name, None)):
+            if t.grad is not None:
+                recorder.set_category(t.grad, Category.GRADIENT)
 
 
 def _real_mesh(backend):

@@ -131,6 +131,12 @@ def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):
     """``plan`` with TP then FSDP2 applied inside the run, per rank, and its rank groups."""
     classes = tuple(rank_classes(plan.model, fsdp, tp))
     world = (fsdp.dp if fsdp else 1) * (tp.tp if tp else 1)
+    by_sizes = None
+    if tp is not None and tp.sequence_parallel and tp.tp > 1:
+        def by_sizes(sizes):
+            return tuple(rank_classes(plan.model, fsdp, tp, sizes))
+
+    seq = ", or of the sequence" if by_sizes is not None else ""
 
     def note(info):
         if len(info.classes) == 1:
@@ -138,15 +144,17 @@ def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):
                    "a fake process group; every rank holds shards of the same sizes: ranks are "
                    "equal")
         else:
-            yield (f"ranks differ: uneven shards put {len(info.classes)} groups of ranks "
+            yield (f"ranks differ: uneven shards (of parameters{seq}) put "
+                   f"{len(info.classes)} groups of ranks "
                    f"({', '.join(ranks_text(c) for c in info.classes)}) at different sizes; "
                    "each group is traced as its first rank, with PyTorch's own FSDP2 / "
                    "tensor-parallel code on a fake process group; the figures shown are rank "
-                   "0's, which holds the largest shard of every parameter (torch.chunk sizes); "
-                   "\"ranks\" lists them all")
+                   "0's, which holds the largest shard of every parameter (torch.chunk sizes)"
+                   f"{' and of the sequence' if seq else ''}; \"ranks\" lists them all")
 
     return plan.but(inside={"sharding": lambda model, rank: transform(fsdp, tp, rank)(model)},
-                    ranks=Ranks(world=world, classes=classes), notes=(note,))
+                    ranks=Ranks(world=world, classes=classes, by_sizes=by_sizes),
+                    notes=(note,))
 
 
 def ranks_text(ranks: tuple[int, ...]) -> str:
@@ -249,8 +257,31 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
                                 hint="patterns match module paths; * stands for one component")
         for n in hit:
             out[n] = style
+    out = _lora_split(model, out, tp)
     _check_divisible(model, out, tp.tp)
     return sp_plan(model, out) if tp.sequence_parallel else out
+
+
+def _lora_split(model: torch.nn.Module, plan: dict[str, str],
+                tp: TensorParallel) -> dict[str, str]:
+    """A LoRA layer the plan shards: its frozen base as the plan says, and the adapter on the
+    sharded side with it (column-wise: B splits its output, A stays whole; row-wise: A splits
+    its input and all-reduces its r outputs, B stays whole), so that both sums are local."""
+    from .lora import LoRALayer
+
+    mods = dict(model.named_modules())
+    out = {}
+    for name, style in plan.items():
+        if not isinstance(mods[name], LoRALayer) or style not in (Style.COLWISE,
+                                                                   Style.ROWWISE):
+            out[name] = style
+            continue
+        if tp.sequence_parallel:
+            raise StrategyError(f"sequence parallelism with a LoRA adapter on {name} is not "
+                                "supported", hint="analyse TensorParallel without --sp")
+        out[f"{name}.base_layer"] = style
+        out[f"{name}.{'lora_B' if style is Style.COLWISE else 'lora_A'}"] = style
+    return out
 
 
 def _is_norm(m: torch.nn.Module) -> bool:
@@ -407,7 +438,8 @@ def transform(fsdp: FSDP | None = None, tp: TensorParallel | None = None, rank: 
 
 
 def rank_classes(model: torch.nn.Module, fsdp: FSDP | None = None,
-                 tp: TensorParallel | None = None) -> list[tuple[int, ...]]:
+                 tp: TensorParallel | None = None,
+                 sizes: list[int] | None = None) -> list[tuple[int, ...]]:
     """The ranks grouped by the local shape of every sharded parameter, lowest rank first.
 
     The strategy is applied once to a copy of ``model`` (meta device, nothing traced); each
@@ -415,6 +447,10 @@ def rank_classes(model: torch.nn.Module, fsdp: FSDP | None = None,
     until they run out, so later ranks may hold less, or nothing). Ranks of one class hold
     storages of the same sizes and have the same memory; rank 0 holds the largest shard of
     every parameter.
+
+    ``sizes`` (under sequence parallelism): the sizes the step runs at; the activations are
+    split along the sequence too, so ranks also group by the chunk each tensor-parallel rank
+    holds of each of those sizes, whichever is the sequence (rank 0 holds the largest).
     """
     import copy
 
@@ -437,8 +473,16 @@ def rank_classes(model: torch.nn.Module, fsdp: FSDP | None = None,
             tuple(p.shape), tuple(p.device_mesh.shape),
             [where[n] for n in p.device_mesh.mesh_dim_names], p.placements,
             skip_offset=True)[0]) for p in params)
+        if sizes is not None and "tp" in where:
+            sig += tuple(_chunk(n, tp.tp, where["tp"]) for n in sizes)
         groups.setdefault(sig, []).append(r)
     return [tuple(g) for g in groups.values()]
+
+
+def _chunk(n: int, parts: int, i: int) -> int:
+    """The length of ``torch.chunk``'s ``i``-th piece of ``n`` into ``parts``."""
+    each = -(-n // parts)
+    return max(0, min(each, n - i * each))
 
 
 def fsdp_units(model: torch.nn.Module) -> list[str]:

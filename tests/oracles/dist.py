@@ -79,6 +79,7 @@ __all__ = [
     "Plain", "FSDP2", "TP", "DeepSpeed", "RankMemory", "measure", "measure_step",
     "measure_deepspeed_step",
     "mlp_model", "mlp_inputs", "llama_model", "llama_inputs", "LLAMA_TP_PLAN", "default_loss",
+    "with_lora", "with_checkpointing", "in_dtype",
 ]
 
 
@@ -239,6 +240,36 @@ def llama_model(attn: str = "eager", layers: int = 2, use_cache: bool = False,
 def llama_inputs(batch: int = 2, seq: int = 16, vocab: int = 128) -> dict:
     ids = torch.randint(0, vocab, (batch, seq))
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def with_lora(model_fn: Callable[[], nn.Module], r: int = 4,
+              targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> nn.Module:
+    """``model_fn()`` with LoRA adapters from peft's own ``get_peft_model`` (``lora_alpha`` 2r,
+    no dropout, base weights frozen). Module paths gain peft's ``base_model.model.`` prefix."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model_fn(), LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                                 target_modules=list(targets)))
+
+
+def in_dtype(model_fn: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
+    """``model_fn()`` with its floating parameters and buffers cast to ``dtype``."""
+    return model_fn().to(dtype)
+
+
+def with_checkpointing(model_fn: Callable[[], nn.Module],
+                       blocks: Sequence[str] | None = None) -> nn.Module:
+    """``model_fn()`` with the ``forward`` of each block (module paths; ``None``: as
+    :class:`FSDP2` finds them) wrapped in non-reentrant ``torch.utils.checkpoint`` in place, so
+    that module hooks (FSDP2's all-gathers) stay outside the checkpointed region, as with
+    ``checkpoint_wrapper`` applied before ``fully_shard``."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = model_fn()
+    for path in (_auto_blocks(model) if blocks is None else blocks):
+        mod = model.get_submodule(path)
+        mod.forward = functools.partial(checkpoint, mod.forward, use_reentrant=False)
+    return model
 
 
 def adamw(params):
@@ -445,26 +476,33 @@ def _resolved_optimizer(opt, params=None) -> str:
     return f"{name}(foreach={foreach})"
 
 
-def _one_step(model, inputs, opt, loss_fn, keep_outputs=True, counter=None, engine=None):
+def _one_step(model, inputs, opt, loss_fn, keep_outputs=True, counter=None, engine=None,
+              accumulate=1, autocast=None):
     """One training step; with a DeepSpeed ``engine`` (then ``model`` and ``opt`` are it),
     ``engine.backward`` and ``engine.step``, which zeroes the gradients itself: the
-    ``zero_grad`` phase is empty."""
+    ``zero_grad`` phase is empty. ``accumulate``: micro-batches (forward, loss / accumulate,
+    backward) per optimizer step; ``autocast``: a dtype for CPU autocast over forward and
+    loss."""
     ph = counter.set_phase if counter is not None else (lambda _: None)
     ph("zero_grad")
     if engine is None:
         opt.zero_grad(set_to_none=True)
-    ph("forward")
-    out = model(**inputs)
-    ph("loss")
-    loss = loss_fn(out)
-    if not keep_outputs:
-        del out
-        out = None
-    ph("backward")
-    if engine is None:
-        loss.backward()
-    else:
-        engine.backward(loss)
+    for _ in range(accumulate):
+        ph("forward")
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = model(**inputs)
+            ph("loss")
+            loss = loss_fn(out)
+            if accumulate > 1:
+                loss = loss / accumulate
+        if not keep_outputs:
+            del out
+            out = None
+        ph("backward")
+        if engine is None:
+            loss.backward()
+        else:
+            engine.backward(loss)
     ph("step")
     opt.step()
     ph("end")
@@ -510,7 +548,8 @@ def _counted_step(groups_fn, step_fn, settle_s: float) -> dict:
 
 def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=None,
                  keep_outputs: bool = True, warmup: int = 1, settle_s: float = 1e-3,
-                 rank: int = 0, world_size: int = 1, crosscheck: bool = False) -> RankMemory:
+                 rank: int = 0, world_size: int = 1, crosscheck: bool = False,
+                 accumulate: int = 1, autocast: torch.dtype | None = None) -> RankMemory:
     """Measure one steady-state step of an already prepared (sharded/parallelized) model in this
     process. Call it in a fresh process for the ``other`` figure to be meaningful."""
     loss_fn = loss_fn or default_loss
@@ -518,7 +557,8 @@ def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=N
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
     opt = (optimizer_fn or adamw)(params)
     for _ in range(warmup):
-        out, loss = _one_step(model, inputs, opt, loss_fn)
+        out, loss = _one_step(model, inputs, opt, loss_fn, accumulate=accumulate,
+                              autocast=autocast)
         del out, loss
     def groups():
         return [
@@ -532,7 +572,8 @@ def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=N
         ]
 
     figures = _counted_step(groups, lambda c: _one_step(model, inputs, opt, loss_fn, keep_outputs,
-                                                         counter=c), settle_s)
+                                                         counter=c, accumulate=accumulate,
+                                                         autocast=autocast), settle_s)
     result = RankMemory(rank=rank, world_size=world_size, **figures,
                         optimizer=_resolved_optimizer(opt))
     if crosscheck:
@@ -727,6 +768,8 @@ class _Job:
     settle_s: float = 1e-3
     seed: int = 0
     crosscheck: bool = False
+    accumulate: int = 1
+    autocast: Any = None
     attempt: int = 1  # a fresh store prefix per attempt: stale rendezvous keys hang gloo
 
 
@@ -779,7 +822,8 @@ def _rank_main(rank: int, job: _Job):
             r = measure_step(model, inputs, loss_fn=job.loss_fn, optimizer_fn=job.optimizer_fn,
                              keep_outputs=job.keep_outputs, warmup=job.warmup,
                              settle_s=job.settle_s, rank=rank, world_size=job.world_size,
-                             crosscheck=job.crosscheck)
+                             crosscheck=job.crosscheck, accumulate=job.accumulate,
+                             autocast=job.autocast)
         if isinstance(job.strategy, DDP):
             sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
             r.other_detail = list(r.other_detail) + [
@@ -840,7 +884,8 @@ def _run_ranks(mp, job: _Job, world_size: int, start_method: str, timeout_s: flo
 def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
             strategy=None, world_size: int | None = None, loss_fn=None, optimizer_fn=None,
             keep_outputs: bool = True, warmup: int | None = None, settle_s: float = 1e-3,
-            seed: int = 0, crosscheck: bool = False, start_method: str = "forkserver",
+            seed: int = 0, crosscheck: bool = False, accumulate: int = 1,
+            autocast: torch.dtype | None = None, start_method: str = "forkserver",
             retries: int = 2, timeout_s: float = 600,
             run_timeout_s: float = 300) -> list[RankMemory]:
     """Run the step in ``world_size`` fresh processes (1 for :class:`Plain`) and return one
@@ -854,7 +899,9 @@ def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
     ``RankMemory.crosscheck`` (not for :class:`DeepSpeed`). A run in which some free arrived on
     a gloo thread (so not in program order, see ``foreign_frees``), or whose ranks have not all
     finished after ``run_timeout_s``, is repeated up to ``retries`` times. ``warmup``: steps before the measured one; ``None``: 2 for
-    :class:`DeepSpeed`, else 1.
+    :class:`DeepSpeed`, else 1. ``accumulate``: micro-batches per optimizer step (each
+    ``loss / accumulate``, no ``no_sync``); ``autocast``: CPU autocast dtype over forward and
+    loss (both not for :class:`DeepSpeed`, whose config says them).
     """
     import json
 
@@ -871,11 +918,13 @@ def measure(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], dict], *,
         warmup = 2 if isinstance(strategy, DeepSpeed) else 1
     if crosscheck and isinstance(strategy, DeepSpeed):
         raise ValueError("crosscheck is not available for DeepSpeed")
+    if (accumulate != 1 or autocast is not None) and isinstance(strategy, DeepSpeed):
+        raise ValueError("DeepSpeed's step: accumulation and precision are its config's")
     # the parent hosts the store on a free port picked by the OS: no port race
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=_timedelta(timeout_s))
     job = _Job(model_fn, inputs_fn, strategy, world_size, store.port, loss_fn, optimizer_fn,
-               keep_outputs, warmup, settle_s, seed, crosscheck)
+               keep_outputs, warmup, settle_s, seed, crosscheck, accumulate, autocast)
     # DS_ACCELERATOR: the forkserver preloads deepspeed, which must resolve the CPU accelerator
     env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "DS_ACCELERATOR": "cpu"}
