@@ -116,12 +116,6 @@ class FSDP(Strategy):
                   "FSDP2 and ZeRO-3 are the same idea; DDP buckets do not exist under FSDP")
 
     def apply(self, plan):
-        if self.reduce_dtype and self.reduce_dtype != self.param_dtype:
-            plan = plan.but(notes=(
-                "FSDP reduce_dtype != param_dtype: a real 2-rank gloo run held one more "
-                "layer-sized gradient buffer at the reduce-scatter than predicted (6.5% more at "
-                "the one point checked); PyTorch's own fake-process-group simulation gives "
-                "memsim's figure; NCCL on a GPU not measured",))
         if "tp" in plan.given:
             return plan  # TensorParallel shards both (a 2-D mesh)
         return sharded(plan, self, None)

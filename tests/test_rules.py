@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import oracles.dist as O
 import zoo
 from memsim.analysis.gpus import GPU, register_gpu
-from memsim.strategies import TensorParallel, analyze, register_strategy
+from memsim.strategies import FSDP, TensorParallel, analyze, register_strategy
 from memsim.strategies.ddp import DDP
 from memsim.tracer import MemsimError, StrategyError, UsageError
 from memsim.tracer.optimizers import register_optimizer
@@ -103,6 +103,10 @@ def _traces():
     # example S), collectives' waits
     analyze(llama, {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])},
             device="cpu", tp=TensorParallel(2, sequence_parallel=True), inference=False)
+    # FSDP2's reduce-scatter on the CPU: gloo's copy of the input
+    with meta():
+        mlp = O.mlp_model(blocks=1)
+    analyze(mlp, {"input": ("float32", ["B", 64])}, device="cpu", fsdp=FSDP(2), inference=False)
 
 
 def test_every_aten_and_function_rule_is_reached():

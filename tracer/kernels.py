@@ -287,6 +287,25 @@ def lstm_workspace_bytes(batch, steps, d: int, h: int, itemsize: int, c_itemsize
     return total
 
 
+@rule(Kind.ATEN, torch.ops.c10d._reduce_scatter_base_.default, device="cpu",
+      doc="reduce_scatter_tensor on CPU (gloo): the backend allreduces a copy of the whole "
+          "input and frees it when the collective completes (not added on CUDA: NCCL, not "
+          "measured)")
+def _gloo_reduce_scatter(recorder, func, args, kwargs):
+    """``_reduce_scatter_base_(output, input, group, op, async_op, timeout)``: gloo has no
+    reduce-scatter of one tensor. ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``
+    (PyTorch 2.13) allreduces a copy of the whole input (``input.clone()``) and returns a
+    work whose ``wait`` copies this rank's chunk into ``output``; the copy dies with the
+    work. The fake process group makes no copy: it is a scratch storage of the input's size
+    at this op, released there, as the synchronous calls of DeepSpeed and FSDP2 release it
+    before they return (a real 2-rank run shows it first at the ``aten.split`` of that
+    ``wait``, freed two ops later)."""
+    out = func(*args, **kwargs)
+    inp = args[1] if len(args) > 1 else kwargs["input"]
+    recorder.scratch(torch.empty_like(inp, memory_format=torch.contiguous_format))
+    return out
+
+
 @rule(Kind.ATEN, aten.mkldnn_rnn_layer.default, device="cpu",
       doc="nn.LSTM on CPU (oneDNN): the fake kernel gives the workspace 0 bytes, the real "
           "one allocates it whenever grad mode is on (lstm_workspace_bytes)")

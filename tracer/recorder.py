@@ -346,6 +346,13 @@ class Recorder(TorchDispatchMode):
         if sid is not None:
             self._release(id(local(t).untyped_storage()), sid)
 
+    def scratch(self, t: torch.Tensor) -> None:
+        """``t`` is a buffer the current op allocates and frees before it returns (a
+        collective backend's own copy): recorded as allocated and released at this op."""
+        sid, fresh = self._track(t, self.current_op or "<scratch>", Category.TEMPORARY)
+        if fresh:
+            self._release(id(local(t).untyped_storage()), sid)
+
     def record_fused(self, name: str, inputs: list, out) -> None:
         """Record ``out`` as one op's result: a fused kernel whose inner ops ran unrecorded
         (:mod:`memsim.tracer.compiled`) reads ``inputs`` and allocates only ``out``."""
