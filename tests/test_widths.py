@@ -65,12 +65,10 @@ def test_tensor_parallel_at_width_1024():
 
 @pytest.mark.slow
 def test_fsdp2_at_width_1024():
-    """Every figure exact but the peak, which is 4 bytes per hidden unit low (4096 B here,
-    256 B at width 64: one fp32 vector of the hidden size, at the peak in backward's
-    all-gather). Issue 17 follows FSDP2 at real widths; this pins the gap so that any change
-    shows."""
+    """Exact since gloo's reduce-scatter copy of its input is modelled (tracer/kernels.py):
+    4,096 B low before, 4 B per hidden unit, as 256 B at width 64."""
     report = _predict(WIDE_LLAMA, LM, fsdp=FSDP(2))
     real = O.measure(WIDE_LLAMA, WIDE_INPUTS, strategy=O.FSDP2())
     got = figures(report, **POINT)["train"]
-    assert _per_rank(real, got) == {got["peak"] + 4 * HIDDEN}
+    assert _per_rank(real, got) == {got["peak"]}
     assert {r.peak_phase for r in real} == {"backward"}
