@@ -101,6 +101,7 @@ CASES = {
     "lora-llama-z1-fp32-autotp2x2": ("lora", 1, "32-true", False, 2),
     "llama-z2-fp32-offload": ("llama", 2, "32-true", False, 1),
     "llama-z3-fp32-offload": ("llama", 3, "32-true", False, 1),
+    "llama-z3-fp32-offload-params": ("llama", 3, "32-true", False, 1),
 }
 
 
@@ -114,10 +115,12 @@ def test_zero_matches_real_deepspeed_run(case):
     buffer, 2 x 180,864 B)."""
     _need_deepspeed()
     model, stage, prec, overlap, tp = CASES[case]
-    offload = case.endswith("offload")
+    offload = case.endswith(("offload", "offload-params"))
+    params_too = case.endswith("offload-params")
     zero = ZeRO(stage=stage, dp=2, overlap_comm=overlap, stage3_prefetch_bucket_size=10_000,
                 stage3_param_persistence_threshold=100, **BUCKETS,
-                offload_optimizer="cpu" if offload else None)
+                offload_optimizer="cpu" if offload else None,
+                offload_param="cpu" if params_too else None)
     factory, inputs, point = ((O.mlp_model, X64, {"B": 8}) if model == "mlp" else
                               (O.llama_model, LM, {"B": 2, "S": 16}))
     with torch.device("meta"):
@@ -141,6 +144,8 @@ def test_zero_matches_real_deepspeed_run(case):
     if offload:  # the client optimizer on the host partitions (CPU Adam is a compiled op)
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         config["zero_force_ds_cpu_optimizer"] = False
+    if params_too:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     inputs_fn = (O.llama_inputs if model != "mlp" else
                  _bf16_mlp_inputs if prec == "bf16-master" else O.mlp_inputs)
     real = O.measure(_lora_llama if model == "lora" else factory, inputs_fn,
