@@ -34,8 +34,12 @@ def test_json_shape_and_values(capsys):
     real = materialize(mod.small())
     x = example_inputs({"x": ("float32", ["B", "S", 64])}, {"B": 2, "S": 8})
     assert doc["inference"]["peak"]["bytes"] == measure_inference(real, x, "32-true")
-    assert doc["train"]["peak"]["bytes"] == measure_train(real, x).peak
-    assert doc["modules"] and {"path", "type", "saved"} <= set(doc["modules"][0])
+    m = measure_train(real, x)
+    for k in ("peak", "activation_peak", "saved_activations", "parameters", "gradients",
+              "optimizer_states"):
+        assert doc["train"][k]["bytes"] == getattr(m, k), k
+    assert {d["path"]: d["saved"]["bytes"] for d in doc["modules"]
+            if d["path"] and d["saved"]["bytes"]} == m.saved_by_module
 
 
 def test_table_without_point(capsys):

@@ -19,7 +19,9 @@ def _real(factory, inputs, point):
     x = example_inputs(inputs, point)
     m = measure_train(model, x)
     return {"train": {"peak": m.peak, "parameters": m.parameters, "gradients": m.gradients,
-                      "optimizer_states": m.optimizer_states},
+                      "optimizer_states": m.optimizer_states,
+                      "activation_peak": m.activation_peak,
+                      "saved_activations": m.saved_activations},
             "inference": {"peak": measure_inference(model, x, "32-true")}}
 
 
