@@ -39,8 +39,9 @@ def _compare(report, factory, inputs_fn, strategy, point, tol=0.0):
         # the device mesh keeps its rank layout as a CPU tensor (world_size int32): host memory
         # on a GPU, not modelled; the oracle counts it under `other`, and nothing else there
         assert r.other == MESH_2, r.other_detail
-        assert (got["parameters"], got["gradients"], got["optimizer_states"]) == (
-            r.parameters, r.gradients, r.optimizer_states), r.rank
+        assert (got["parameters"], got["gradients"], got["optimizer_states"],
+                got["activation_peak"]) == (r.parameters, r.gradients, r.optimizer_states,
+                                            r.activation_peak), r.rank
         want = r.peak - r.other
         assert abs(got["peak"] - want) <= tol * want, f"predicted {got['peak']}, measured {want}"
     return got["peak"], real[0].peak - real[0].other
@@ -96,7 +97,14 @@ def test_ddp_matches_real_gloo_run(name, view):
     the oracle sees them allocated; their size also comes from DDP's own logging data. With
     gradient_as_bucket_view the gradients are views into them (counted at the start) and each
     gradient autograd makes is dropped at its accumulation (MLP 2,267,464, Llama 1,859,868 B
-    against 2,783,300 and 1,923,992 with copies)."""
+    against 2,783,300 and 1,923,992 with copies).
+
+    The activation peak is not compared under DDP: the oracle counts a storage as a gradient
+    only where it is a parameter's ``.grad`` at the start or the end of the step, while memsim
+    files DDP's buckets (with copies) and the gradients autograd makes before they are copied
+    into the bucket views (gradient_as_bucket_view) under gradients (Llama: the oracle's
+    figure is memsim's plus the 361,728 B of buckets with copies, plus one 8,192 B gradient
+    with views)."""
     from memsim.strategies import DDP
     factory, spec, inputs, pt = {
         "mlp": (O.mlp_model, MLP, functools.partial(O.mlp_inputs, batch=8), {"B": 8}),
@@ -104,7 +112,7 @@ def test_ddp_matches_real_gloo_run(name, view):
                   {"B": 2, "S": 16})}[name]
     report = _predict(factory, spec, ddp=DDP(2, gradient_as_bucket_view=view))
     real = O.measure(factory, inputs, strategy=O.DDP(gradient_as_bucket_view=view))
-    _per_rank(report, real, pt, other=MESH_2)
+    _per_rank(report, real, pt, other=MESH_2, activations=False)
     got = figures(report, **pt)["train"]
     for r in real:
         buckets = [d for d in r.other_detail if d.startswith("ddp_buckets=")]
@@ -153,7 +161,8 @@ def test_combination_matches_real_gloo_run(kw, strategy, factory, step):
     real = O.measure(factory, functools.partial(O.llama_inputs, batch=2, seq=16),
                      strategy=strategy, **step)
     _per_rank(report, real, {"B": 2, "S": 16},
-              other=MESH_2 + (PEFT_IMPORT if "lora" in kw else 0))
+              other=MESH_2 + (PEFT_IMPORT if "lora" in kw else 0),
+              activations=not isinstance(strategy, O.DDP))
     if isinstance(strategy, O.DDP):
         got = figures(report, B=2, S=16)["train"]
         assert f"ddp_buckets={got['gradients']}" in real[0].other_detail
@@ -207,10 +216,11 @@ def test_sequence_parallel_llama_matches_real_gloo_run(attn):
         assert (real[0].peak > real[1].peak) == bool(s % 2)
 
 
-def _per_rank(report, real, point, other=None):
+def _per_rank(report, real, point, other=None, activations=True):
     """Each group of ranks in ``report.ranks`` (every rank, where all are equal) against every
     real rank it stands for, every figure. ``other``: the bytes the oracle finds live besides
-    the step's (the device mesh's rank layout...: host memory, not modelled), on every rank."""
+    the step's (the device mesh's rank layout...: host memory, not modelled), on every rank.
+    ``activations=False`` leaves the activation peak out (DDP: see test_ddp_matches_real_gloo_run)."""
     groups = [(rc.report, rc.ranks) for rc in report.ranks] or [(report, range(len(real)))]
     for rep, ranks in groups:
         got = figures(rep, **point)["train"]
@@ -219,6 +229,7 @@ def _per_rank(report, real, point, other=None):
             assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"]) \
                 == (m.peak - m.other, m.parameters, m.gradients, m.optimizer_states), r
             assert other is None or m.other == other, (r, m.other_detail)
+            assert not activations or got["activation_peak"] == m.activation_peak, r
     assert sorted(r for _, rs in groups for r in rs) == list(range(len(real)))
 
 

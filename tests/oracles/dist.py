@@ -114,6 +114,9 @@ class RankMemory:
     crosscheck: dict | None = None  # FSDPMemTracker figures for an identical step, if asked
     log: list = field(default_factory=list)  # (op, live bytes after it), if DIST_ORACLE_LOG=1
     attempts: int = 1         # runs needed to get one with foreign_frees == 0 (see retries)
+    # most bytes live at once that are not parameters, gradients or optimizer states (those
+    # at the start of the step and at its end) nor `other`
+    activation_peak: int = 0
 
 
 @dataclass
@@ -322,6 +325,10 @@ class _StorageCounter(TorchDispatchMode):
         self._orig_wait = None
         self._wait_tensor = torch.ops._c10d_functional.wait_tensor.default
         self.log = [] if os.environ.get("DIST_ORACLE_LOG") == "1" else None
+        # every change of the live bytes: (storage token, bytes added or removed); a token
+        # names one storage for its life (an id() is reused once the storage is freed)
+        self.changes: list[tuple[int, int]] = []
+        self.tokens: dict[int, int] = {}
 
     # bookkeeping ----------------------------------------------------------------------------
     def _bump(self):
@@ -344,9 +351,12 @@ class _StorageCounter(TorchDispatchMode):
                 if n != old:
                     self.sizes[key] = n
                     self.cur += n - old
+                    self.changes.append((self.tokens[key], n - old))
                     self._bump()
                 return 0
             self.sizes[key] = n
+            self.tokens[key] = len(self.changes)
+            self.changes.append((self.tokens[key], n))
             self.fins[key] = weakref.finalize(st, self._free, key)
             self.cur += n
             self._bump()
@@ -355,10 +365,28 @@ class _StorageCounter(TorchDispatchMode):
     def track(self, t: torch.Tensor) -> int:
         return sum(self.see(st) for st in _storages(t))
 
+    def tokens_of(self, ts) -> set[int]:
+        """The tokens of the live storages of ``ts``."""
+        return {self.tokens[id(st)] for t in ts if isinstance(t, torch.Tensor)
+                for st in _storages(t) if id(st) in self.tokens}
+
+    def peak_without(self, tokens: set[int], start: int = 0) -> int:
+        """The most bytes live at once from change ``start`` on, ``tokens`` left out."""
+        cur = sum(n for tok, n in self.changes[:start] if tok not in tokens)
+        peak = cur
+        for tok, n in self.changes[start:]:
+            if tok not in tokens:
+                cur += n
+                peak = max(peak, cur)
+        return peak
+
     def _free(self, key: int):
         with self.lock:
             n = self.sizes.pop(key, 0)
             self.fins.pop(key, None)
+            tok = self.tokens.pop(key, None)
+            if tok is not None and n:
+                self.changes.append((tok, -n))
             self.cur -= n
             if threading.get_ident() != self.main and n:
                 self.foreign_frees += 1
@@ -509,6 +537,11 @@ def _one_step(model, inputs, opt, loss_fn, keep_outputs=True, counter=None, engi
     return out, loss
 
 
+# what the activation peak leaves out, at the start of the step and at its end; with "other",
+# the tensors outside the step (the device mesh's rank table)
+_MODEL_STATE = ("parameters", "gradients", "optimizer_states")
+
+
 def _counted_step(groups_fn, step_fn, settle_s: float) -> dict:
     """Register what ``groups_fn()`` returns (``[(category, tensors)]``, ``other`` last) as live,
     then run ``step_fn(counter)`` under the storage counter; the figures as a dict."""
@@ -528,19 +561,27 @@ def _counted_step(groups_fn, step_fn, settle_s: float) -> dict:
                     cats[name] += n
                     if n and name == "other" and len(other_detail) < 10:
                         other_detail.append(f"{type(t).__name__}{tuple(t.shape)} {t.dtype} {n} B")
+            state = c.tokens_of(t for name, ts in groups if name in _MODEL_STATE for t in ts)
+            state |= c.tokens_of(dict(groups)["other"]) - c.tokens_of(
+                t for name, ts in groups if name != "other" for t in ts)
             del groups, ts, t  # hold no reference: the old gradients must die at zero_grad
             start = c.cur
+            first = len(c.changes)
             c.peak, c.peak_phase, c.phase_peaks = start, "start", {"start": start}
             t0 = time.perf_counter()
             out, loss = step_fn(c)
             step_s = time.perf_counter() - t0
             end = c.cur
+            state |= c.tokens_of(t for name, ts in groups_fn() if name in _MODEL_STATE
+                                 for t in ts)
+            activation_peak = c.peak_without(state, first)
         del out, loss
     finally:
         c.close()
         if gc_was:
             gc.enable()
     return dict(peak=c.peak, start=start, end=end, **cats, other_detail=other_detail,
+                activation_peak=activation_peak,
                 peak_phase=c.peak_phase, phase_peaks=dict(c.phase_peaks),
                 foreign_frees=c.foreign_frees, resizes=c.resizes,
                 untracked_resizes=c.untracked_resizes, step_s=round(step_s, 4), log=c.log or [])
