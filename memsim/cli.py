@@ -110,6 +110,12 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard over --dp ranks")
     p.add_argument("--no-reshard", action="store_true",
                    help="FSDP2 reshard_after_forward=False (ZeRO-2-like)")
+    p.add_argument("--param-dtype", metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy "
+                   "param_dtype: the dtype parameters are all-gathered and computed in (bf16, "
+                   "fp16, fp32)")
+    p.add_argument("--reduce-dtype", metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy "
+                   "reduce_dtype: the dtype gradients are reduce-scattered in (default: "
+                   "--param-dtype)")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage (DeepSpeed's engine traced; "
                    "needs the deepspeed package)")
     p.add_argument("--deepspeed", metavar="FILE", help="a DeepSpeed ds_config.json (stage, "
@@ -209,9 +215,13 @@ def _strategy(args) -> dict:
     if modes and dp is None:
         raise UsageError(f"--{modes[0]} needs --dp N", hint="the number of data-parallel ranks")
     if args.fsdp:
-        kw["fsdp"] = FSDP(dp=dp, reshard_after_forward=not args.no_reshard)
-    elif args.no_reshard:
-        raise UsageError("--no-reshard is an FSDP option", hint="add --fsdp")
+        kw["fsdp"] = FSDP(dp=dp, reshard_after_forward=not args.no_reshard,
+                          param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
+    else:
+        for flag in ("no_reshard", "param_dtype", "reduce_dtype"):
+            if getattr(args, flag):
+                raise UsageError(f"--{flag.replace('_', '-')} is an FSDP option",
+                                 hint="add --fsdp --dp N")
     if args.deepspeed:
         z, prec = load_deepspeed_config(args.deepspeed, dp)
         if z is not None:

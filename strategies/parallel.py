@@ -109,7 +109,9 @@ class FSDP(Strategy):
         if isinstance(self.units, list):
             object.__setattr__(self, "units", tuple(self.units))
         for k in ("param_dtype", "reduce_dtype"):
-            _dtype(getattr(self, k))  # an unknown dtype fails here, before any trace
+            name = _DTYPE_ALIASES.get(getattr(self, k), getattr(self, k))
+            object.__setattr__(self, k, name)
+            _dtype(name)  # an unknown dtype fails here, before any trace
 
     def validate(self, given, config) -> None:
         exclusive(given, self.key, ("fsdp", "zero", "ddp"),
@@ -514,13 +516,18 @@ def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
     fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **kw)
 
 
+# the short names users type (torchtitan's and Lightning's configs, the CLI) for torch's dtypes
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32"}
+
+
 def _dtype(name: str | None):
     if name is None:
         return None
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise StrategyError(f"FSDP mixed precision: unknown dtype {name!r}",
-                            hint="e.g. bfloat16, float16, float32")
+                            hint="e.g. bfloat16 (bf16), float16 (fp16), float32 (fp32)")
     return dt
 
 

@@ -334,9 +334,39 @@ def test_cli_strategy_json_and_usage_errors(capsys):
     for bad, msg in ((["--dp", "2"], "--dp given without"), (["--fsdp"], "--fsdp needs --dp"),
                      (["--sp"], "--sp and --tp-plan need --tp"),
                      (["--offload", "optimizer"], "--offload is a ZeRO option"),
-                     (["--lora", "rank=4"], "unknown key")):
+                     (["--lora", "rank=4"], "unknown key"),
+                     (["--param-dtype", "bf16"], "--param-dtype is an FSDP option"),
+                     (["--fsdp", "--dp", "2", "--reduce-dtype", "fp33"], "unknown dtype 'fp33'")):
         assert main(args + bad) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_cli_fsdp_mixed_precision(capsys):
+    """--param-dtype and --reduce-dtype are MixedPrecisionPolicy's fields, with the short names
+    users type; the JSON strategy section shows them, and the figures are the Python API's
+    (which test_fsdp2_mixed_precision_matches_real_gloo_run checks against real runs)."""
+    import json
+
+    from memsim.cli import main
+    args = ["analyze", "examples/nanogpt_block.py:small", "--input", "x=float32[B,S,64]",
+            "--at", "B=2,S=8", "--device", "cpu", "--train", "--fsdp", "--dp", "2",
+            "--param-dtype", "bf16", "--reduce-dtype", "fp32", "--json"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    fsdp = doc["strategy"]["fsdp"]
+    assert (fsdp["param_dtype"], fsdp["reduce_dtype"]) == ("bfloat16", "float32")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("nanogpt_block", "examples/nanogpt_block.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with torch.device("meta"):
+        m = mod.small()
+    api = analyze(m, {"x": ("float32", ["B", "S", 64])}, device="cpu", inference=False,
+                  fsdp=FSDP(2, param_dtype="bfloat16", reduce_dtype="float32"))
+    plain = analyze(m, {"x": ("float32", ["B", "S", 64])}, device="cpu", inference=False,
+                    fsdp=FSDP(2))
+    got = figures(api, B=2, S=8)["train"]
+    assert doc["train"]["peak"]["bytes"] == got["peak"] != figures(plain, B=2, S=8)["train"]["peak"]
 
 
 @pytest.mark.slow
