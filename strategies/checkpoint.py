@@ -86,8 +86,12 @@ class Checkpoint(Strategy):
             list(self.plan)
         if not paths:
             return plan
+        notes = ()
+        if getattr(getattr(plan.model, "config", None), "use_cache", None) is True:
+            notes = ("checkpointing a Hugging Face model: its KV cache is off (use_cache=False), "
+                     "as its own gradient checkpointing sets it in training",)
         return plan.but(inside={"checkpoint": lambda model, rank: apply_checkpointing(
-            model, paths)})
+            model, paths)}, notes=notes)
 
 
 def blocks(model: torch.nn.Module) -> list[str]:
@@ -134,7 +138,15 @@ def named_plan(model: torch.nn.Module, plan: str) -> list[str]:
 
 def apply_checkpointing(model: torch.nn.Module, plan: list[str]) -> torch.nn.Module:
     """Wrap the ``forward`` of each module in ``plan`` with non-reentrant
-    ``torch.utils.checkpoint`` (in place; returns the model). Paste-able for real training."""
+    ``torch.utils.checkpoint`` (in place; returns the model). Paste-able for real training.
+
+    A Hugging Face model's KV cache is turned off (``config.use_cache = False``, restored by
+    :func:`remove_checkpointing`), as its own ``gradient_checkpointing_enable`` does in
+    training: with the cache on, the recomputation in backward appends each layer's keys and
+    values to the cache again, and the cache keeps that recomputed graph (the layer's norms,
+    projections and the concatenated keys and values, 16*B*S*hidden bytes per bf16 layer) to
+    the end of backward. Llama-2-7B, FSDP2 on 8 ranks, B 8, S 2048: 49.30 GiB with the cache,
+    20.64 without."""
     mods = dict(model.named_modules())
     for path in plan:
         if path not in mods:
@@ -150,6 +162,10 @@ def apply_checkpointing(model: torch.nn.Module, plan: list[str]) -> torch.nn.Mod
         forward._memsim_checkpointed = True
         forward.__signature__ = inspect.signature(mod.forward)
         mod.forward = forward
+    cfg = getattr(model, "config", None)
+    if plan and getattr(cfg, "use_cache", None) is True:
+        cfg.use_cache = False
+        model._memsim_use_cache = True
     return model
 
 
@@ -163,6 +179,8 @@ def remove_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
     for mod in model.modules():
         if getattr(mod.forward, "_memsim_checkpointed", False):
             del mod.forward
+    if model.__dict__.pop("_memsim_use_cache", False):
+        model.config.use_cache = True
     return model
 
 

@@ -11,7 +11,7 @@ import zoo
 from oracle import check, predict
 from oracles.measure import example_inputs, measure_train
 from memsim.strategies.checkpoint import (apply_checkpointing, blocks, named_plan, optimal_plan,
-                                   plans_over_range, ranking)
+                                   plans_over_range, ranking, remove_checkpointing)
 from memsim.cli import main
 from memsim.tracer import InputError
 
@@ -213,6 +213,33 @@ def test_hf_plans_match_real_run(model, plan):
 
     report = predict(factory, test_hf.LM, inference=False)
     check(report, factory, test_hf.LM, [{"B": 2, "S": 5}, {"B": 3, "S": 16}])
+
+
+@pytest.mark.slow
+def test_blocks_plan_equals_hugging_faces_own_checkpointing():
+    """memsim's "blocks" plan on a Hugging Face Llama (use_cache at its default, True) against
+    a real run of the model as users checkpoint it, gradient_checkpointing_enable(): equal in
+    every figure. With the cache left on, the recomputation in backward appended each layer's
+    keys and values to the cache again and the cache kept the recomputed graph to the end of
+    backward (Llama-2-7B, FSDP2 dp 8, B 8, S 2048: 49.30 GiB, 20.64 without)."""
+    import test_hf
+    from memsim.strategies.api import analyze
+
+    def hf_checkpointed():
+        m = test_hf.llama()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+
+    with torch.device("meta"):
+        m = test_hf.llama()
+    assert m.config.use_cache is True
+    report = analyze(m, test_hf.LM, device="cpu", inference=False, checkpoint="blocks")
+    assert m.config.use_cache is True  # the user's model is left as it was
+    assert any("use_cache=False" in n for n in report.notes)
+    check(report, hf_checkpointed, test_hf.LM, [{"B": 2, "S": 5}, {"B": 3, "S": 16}])
+    with_plan = apply_checkpointing(test_hf.llama(), named_plan(m, "blocks"))
+    assert with_plan.config.use_cache is False
+    assert remove_checkpointing(with_plan).config.use_cache is True
 
 
 _LLAMA: dict = {}
