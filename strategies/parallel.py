@@ -123,6 +123,21 @@ class FSDP(Strategy):
         return sharded(plan, self, None)
 
 
+# FSDP2 is traced on CPU fake tensors, so through its CPU code path also for --device cuda.
+# In PyTorch 2.13 that path frees the same storages at the same points as the CUDA one: streams
+# and events only order work (dummies on CPU); FSDP2 frees memory by dropping references and by
+# UntypedStorage.resize_(0) (_fsdp_param.py free_unsharded_param / free_storage), never with
+# record_stream; the reduce-scatter input is held until the next group's post-backward
+# (_fsdp_param_group.py, reduce_scatter_states) on both. Its device branches (_fsdp_state.py
+# inputs to the device, an HSDP assertion, mtia's SUM reduction) allocate nothing different.
+# The CPU path's one extra buffer, gloo's reduce-scatter copy, is added on --device cpu only.
+CUDA_FSDP_NOTE = ("FSDP2 on CUDA: traced through FSDP2's own code on CPU fake tensors; in "
+                  "PyTorch 2.13 it frees the same buffers at the same points on CUDA (streams "
+                  "and events order work, buffers die with their last reference or resize_(0)); "
+                  "NCCL's own buffers, outside the caching allocator, and stream overlap are not "
+                  "modelled; not measured on a GPU")
+
+
 def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):
     """``plan`` with TP then FSDP2 applied inside the run, per rank, and its rank groups."""
     classes = tuple(rank_classes(plan.model, fsdp, tp))
@@ -148,9 +163,12 @@ def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):
                    "0's, which holds the largest shard of every parameter (torch.chunk sizes)"
                    f"{' and of the sequence' if seq else ''}; \"ranks\" lists them all")
 
+    notes: tuple = (note,)
+    if fsdp is not None and plan.config.device.value == "cuda":
+        notes += (CUDA_FSDP_NOTE,)
     return plan.but(inside={"sharding": lambda model, rank: transform(fsdp, tp, rank)(model)},
                     ranks=Ranks(world=world, classes=classes, by_sizes=by_sizes),
-                    notes=(note,))
+                    notes=notes)
 
 
 def ranks_text(ranks: tuple[int, ...]) -> str:

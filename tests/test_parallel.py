@@ -466,3 +466,15 @@ def test_fsdp2_fp32_reduce_matches_real_gloo_run():
                          functools.partial(O.llama_inputs, batch=2, seq=16),
                          O.FSDP2(mp_policy=mp), {"B": 2, "S": 16})
     assert got == want == 1_144_476
+
+
+def test_fsdp_on_cuda_says_what_is_modelled():
+    """--device cuda traces FSDP2's CPU code path, which frees the same buffers in PyTorch 2.13;
+    the output says so, and that it was not measured on a GPU."""
+    from memsim.strategies.parallel import CUDA_FSDP_NOTE
+    with torch.device("meta"):
+        m = O.mlp_model()
+    gpu = analyze(m, MLP, device="cuda", inference=False, fsdp=FSDP(2))
+    cpu = analyze(m, MLP, device="cpu", inference=False, fsdp=FSDP(2))
+    assert CUDA_FSDP_NOTE in gpu.notes and CUDA_FSDP_NOTE not in cpu.notes
+    assert "not measured on a GPU" in CUDA_FSDP_NOTE
