@@ -16,3 +16,35 @@ def default_loss(out):
     seq = out.to_tuple() if hasattr(out, "to_tuple") else out
     return next(t for t in tree_flatten(seq)[0]
                 if isinstance(t, torch.Tensor) and t.is_floating_point()).sum()
+
+
+class ChangeLog:
+    """Every change of the live bytes, in order: ``(token, bytes added or removed)``. A token
+    names one storage for its whole life (an ``id()`` is reused once the storage is freed), so
+    the log can be replayed with some storages left out (:meth:`peak_without`)."""
+
+    def __init__(self):
+        self.changes: list[tuple[int, int]] = []
+        self.tokens: dict[int, int] = {}  # id() of a live storage -> its token
+
+    def alloc(self, key: int, n: int) -> None:
+        self.tokens[key] = len(self.changes)
+        self.changes.append((self.tokens[key], n))
+
+    def resize(self, key: int, delta: int) -> None:
+        self.changes.append((self.tokens[key], delta))
+
+    def free(self, key: int, n: int) -> None:
+        tok = self.tokens.pop(key, None)
+        if tok is not None and n:
+            self.changes.append((tok, -n))
+
+    def peak_without(self, tokens: set[int], start: int = 0) -> int:
+        """The most bytes live at once from change ``start`` on, ``tokens`` left out."""
+        cur = sum(n for tok, n in self.changes[:start] if tok not in tokens)
+        peak = cur
+        for tok, n in self.changes[start:]:
+            if tok not in tokens:
+                cur += n
+                peak = max(peak, cur)
+        return peak

@@ -73,7 +73,7 @@ from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from .common import default_loss
+from .common import ChangeLog, default_loss
 
 __all__ = [
     "Plain", "FSDP2", "TP", "DeepSpeed", "RankMemory", "measure", "measure_step",
@@ -325,10 +325,7 @@ class _StorageCounter(TorchDispatchMode):
         self._orig_wait = None
         self._wait_tensor = torch.ops._c10d_functional.wait_tensor.default
         self.log = [] if os.environ.get("DIST_ORACLE_LOG") == "1" else None
-        # every change of the live bytes: (storage token, bytes added or removed); a token
-        # names one storage for its life (an id() is reused once the storage is freed)
-        self.changes: list[tuple[int, int]] = []
-        self.tokens: dict[int, int] = {}
+        self.changes = ChangeLog()
 
     # bookkeeping ----------------------------------------------------------------------------
     def _bump(self):
@@ -351,12 +348,11 @@ class _StorageCounter(TorchDispatchMode):
                 if n != old:
                     self.sizes[key] = n
                     self.cur += n - old
-                    self.changes.append((self.tokens[key], n - old))
+                    self.changes.resize(key, n - old)
                     self._bump()
                 return 0
             self.sizes[key] = n
-            self.tokens[key] = len(self.changes)
-            self.changes.append((self.tokens[key], n))
+            self.changes.alloc(key, n)
             self.fins[key] = weakref.finalize(st, self._free, key)
             self.cur += n
             self._bump()
@@ -367,26 +363,15 @@ class _StorageCounter(TorchDispatchMode):
 
     def tokens_of(self, ts) -> set[int]:
         """The tokens of the live storages of ``ts``."""
-        return {self.tokens[id(st)] for t in ts if isinstance(t, torch.Tensor)
-                for st in _storages(t) if id(st) in self.tokens}
-
-    def peak_without(self, tokens: set[int], start: int = 0) -> int:
-        """The most bytes live at once from change ``start`` on, ``tokens`` left out."""
-        cur = sum(n for tok, n in self.changes[:start] if tok not in tokens)
-        peak = cur
-        for tok, n in self.changes[start:]:
-            if tok not in tokens:
-                cur += n
-                peak = max(peak, cur)
-        return peak
+        tokens = self.changes.tokens
+        return {tokens[id(st)] for t in ts if isinstance(t, torch.Tensor)
+                for st in _storages(t) if id(st) in tokens}
 
     def _free(self, key: int):
         with self.lock:
             n = self.sizes.pop(key, 0)
             self.fins.pop(key, None)
-            tok = self.tokens.pop(key, None)
-            if tok is not None and n:
-                self.changes.append((tok, -n))
+            self.changes.free(key, n)
             self.cur -= n
             if threading.get_ident() != self.main and n:
                 self.foreign_frees += 1
@@ -566,7 +551,7 @@ def _counted_step(groups_fn, step_fn, settle_s: float) -> dict:
                 t for name, ts in groups if name != "other" for t in ts)
             del groups, ts, t  # hold no reference: the old gradients must die at zero_grad
             start = c.cur
-            first = len(c.changes)
+            first = len(c.changes.changes)
             c.peak, c.peak_phase, c.phase_peaks = start, "start", {"start": start}
             t0 = time.perf_counter()
             out, loss = step_fn(c)
@@ -574,7 +559,7 @@ def _counted_step(groups_fn, step_fn, settle_s: float) -> dict:
             end = c.cur
             state |= c.tokens_of(t for name, ts in groups_fn() if name in _MODEL_STATE
                                  for t in ts)
-            activation_peak = c.peak_without(state, first)
+            activation_peak = c.changes.peak_without(state, first)
         del out, loss
     finally:
         c.close()

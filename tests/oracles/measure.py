@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .common import default_loss
+from .common import ChangeLog, default_loss
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,7 @@ class _Counter(TorchDispatchMode):
         self.cur = 0
         self.peak = 0
         self._fin: list = []
-        # every change of the live bytes, in order: (storage token, bytes added or removed);
-        # a token names one storage for its whole life (an id() is reused once it is freed)
-        self.log: list[tuple[int, int]] = []
-        self.token: dict[int, int] = {}
+        self.log = ChangeLog()
 
     def add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -70,32 +67,22 @@ class _Counter(TorchDispatchMode):
             n = st.nbytes()
             if n != self.live[key]:  # resized in place
                 self.cur += n - self.live[key]
-                self.log.append((self.token[key], n - self.live[key]))
+                self.log.resize(key, n - self.live[key])
                 self.live[key] = n
                 self.peak = max(self.peak, self.cur)
             return
         self.live[key] = st.nbytes()
-        self.token[key] = len(self.log)
-        self.log.append((self.token[key], st.nbytes()))
+        self.log.alloc(key, st.nbytes())
         self.cur += st.nbytes()
         self.peak = max(self.peak, self.cur)
         self._fin.append(weakref.finalize(st, self._drop, key))
 
     def token_of(self, t: torch.Tensor) -> int:
-        return self.token[id(t.untyped_storage())]
-
-    def peak_without(self, tokens: set[int]) -> int:
-        """The most bytes live at once, the storages named by ``tokens`` left out."""
-        cur = peak = 0
-        for tok, n in self.log:
-            if tok not in tokens:
-                cur += n
-                peak = max(peak, cur)
-        return peak
+        return self.log.tokens[id(t.untyped_storage())]
 
     def _drop(self, key: int) -> None:
         n = self.live.pop(key)
-        self.log.append((self.token.pop(key), -n))
+        self.log.free(key, n)
         self.cur -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -271,7 +258,7 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
     def pack(t):
         # a detached alias: the tensor itself would close a reference cycle (t -> grad_fn ->
         # saved t) for an op's saved output, which gc does not collect in time
-        if id(t.untyped_storage()) in c.token:
+        if id(t.untyped_storage()) in c.log.tokens:
             tok = c.token_of(t)
             saved.add(tok)
             for name in stack:
@@ -325,11 +312,12 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
             at_backward = c.cur - before
             if not keep_outputs:
                 del out
-            grads_now = {c.token_of(p.grad) for p in params if p.grad is not None}
-            live = {tok: c.live[key] for key, tok in c.token.items()}
-            kept = lambda toks: sum(live[tok] for tok in toks - fixed - grads_now if tok in live)
-            saved_bytes = kept(saved)
-            saved_by_module = {name: kept(toks) for name, toks in by_module.items() if name}
+            # what autograd saved and still holds, without the model state, buffers and inputs
+            skip = fixed | {c.token_of(p.grad) for p in params if p.grad is not None}
+            live = {tok: c.live[key] for key, tok in c.log.tokens.items() if tok not in skip}
+            saved_bytes = sum(live.get(tok, 0) for tok in saved)
+            saved_by_module = {name: sum(live.get(tok, 0) for tok in toks)
+                               for name, toks in by_module.items() if name}
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.step(opt)
@@ -342,7 +330,7 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
         end_state = [v for st in inner.state.values() for v in st.values()
                      if isinstance(v, torch.Tensor)]
         state |= {c.token_of(t) for t in grads + end_state}
-        act_peak = c.peak_without(state)
+        act_peak = c.log.peak_without(state)
     c.close()
     n = lambda ts: sum(t.untyped_storage().nbytes() for t in
                        {id(t.untyped_storage()): t for t in ts}.values())
