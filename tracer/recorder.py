@@ -395,7 +395,7 @@ def _flex_attention_hops() -> None:
     a higher-order op fails with PyTorch's message naming the mode's object.)"""
     import importlib
     try:  # the module (the package re-exports the operator under the module's name)
-        fa = importlib.import_module("torch._higher_order_ops.flex_attention")
+        importlib.import_module("torch._higher_order_ops.flex_attention")
         fa = sys.modules["torch._higher_order_ops.flex_attention"]
     except ImportError:  # pragma: no cover - older torch
         return
