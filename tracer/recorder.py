@@ -102,6 +102,8 @@ class Recorder(TorchDispatchMode):
         self.module_stack: list[str] = []
         self.current_op: str | None = None
         self._live: dict[int, int] = {}           # id(python storage) -> sid
+        self._default_stream = torch.cpu.current_stream()
+        self._streams: list = []                  # side streams seen, numbered from 1
         self._producer = WeakTensorKeyDictionary()  # tensor -> record index
         self._finalizers: list[weakref.finalize] = []
         self.shape_env = None           # set by the driver: specializations are caught per op
@@ -135,11 +137,24 @@ class Recorder(TorchDispatchMode):
         host = self.host_device is not None and t.device == self.host_device
         self.run.storages.append(Storage(
             sid=sid, nbytes=as_expr(nbytes), device="host" if host else self.device,
-            alloc=self.time, phase=self.phase, module=self.module, op=op, category=category))
+            alloc=self.time, phase=self.phase, module=self.module, op=op, category=category,
+            stream=self._stream()))
         self._live[key] = sid
         self.run.events.append(Event(+1, sid, self.time))
         self._finalizers.append(weakref.finalize(st, self._release, key, sid))
         return sid, True
+
+    def _stream(self) -> int:
+        """The number of the stream current now (0: the default). Device-agnostic code such as
+        FSDP2 selects its side streams through ``torch.cpu.stream`` on the CPU path traced."""
+        st = torch.cpu.current_stream()
+        if st is self._default_stream:
+            return 0
+        for i, known in enumerate(self._streams):
+            if known is st:
+                return i + 1
+        self._streams.append(st)  # held: a stream's id() is not reused while recorded
+        return len(self._streams)
 
     def _release(self, key: int, sid: int) -> None:
         if self._live.get(key) == sid:
@@ -158,7 +173,7 @@ class Recorder(TorchDispatchMode):
         nsid = len(self.run.storages)
         self.run.storages.append(Storage(
             sid=nsid, nbytes=new, device=old.device, alloc=self.time, phase=self.phase,
-            module=self.module, op="resize_", category=old.category))
+            module=self.module, op="resize_", category=old.category, stream=self._stream()))
         self.run.events.append(Event(+1, nsid, self.time))
         for key, val in self._live.items():
             if val == sid:

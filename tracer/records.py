@@ -84,6 +84,11 @@ class Storage:
     category : Category
     saved_by : tuple of str
         Module paths whose forward saved it for backward (innermost first), empty if never saved.
+    stream : int
+        The stream current when it was allocated: 0 is the default stream, others are numbered
+        in order of first use. A CUDA caching allocator reuses a freed block only for
+        allocations on the stream it was allocated on (FSDP2's all-gather and reduce-scatter
+        streams; on fake CPU tensors they are ``torch.cpu.Stream`` objects, recorded the same).
     """
 
     sid: int
@@ -97,6 +102,7 @@ class Storage:
     free: int | None = None
     saved_by: tuple[str, ...] = ()
     saved: bool = False
+    stream: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,3 +163,6 @@ class RunRecord:
     # (index into events, storage id) each time a parameter's gradient is accumulated in the
     # measured step (its post-accumulate-grad hook, where DDP's and DeepSpeed's hooks run)
     grad_ready: list = field(default_factory=list)
+    # True when whole warm-up steps were traced before ``start`` (a library's loop, a
+    # Driver): the run's history is then real, not the plain loop's synthetic warm-up
+    warmed: bool = False

@@ -466,6 +466,7 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
         gc.disable()
         stack.callback(gc.enable)
     recorder.run.start = len(recorder.run.events)
+    recorder.run.warmed = driver.warmup > 0
     return _driven_step(recorder, driver, call, inputs, constants, loss_fn,
                         config.keep_outputs), call
 

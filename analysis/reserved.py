@@ -1,0 +1,267 @@
+"""Reserved memory of a traced step: its allocations replayed through the CUDA caching allocator.
+
+What is replayed, at one point (every symbol given a size):
+
+1. the storages alive when the step starts, in the order they were made (parameters, buffers,
+   inputs), but neither gradients nor optimizer states: a job's first step makes those;
+2. the first step: the traced step's allocations and frees in order, with PyTorch's cuBLAS
+   workspace taken at its start (it stays for the job), the optimizer state made when the
+   optimizer first runs (``torch.optim`` creates it lazily, per parameter, in order);
+3. what the first step leaves that the next one makes again (its outputs, the loss) is dropped
+   as the loop rebinds them, and the step is replayed again: the steady-state step, whose
+   frees of the previous step's gradients (``zero_grad``) free those the first step made.
+
+A library's loop whose warm-up steps were traced (DeepSpeed's engine) is replayed as traced,
+warm-up included. Each storage is one request of its exact byte size on the stream it was
+made on (:attr:`memsim.tracer.Storage.stream`).
+
+What it returns is ``torch.cuda.max_memory_reserved()`` after those two steps, the allocator's
+``max_memory_allocated()`` (whole blocks as handed out: a large block whose remainder is at
+most 1 MiB is not split), and, at the moment the steady step's allocated peak is reached, the
+reserved bytes and the largest cached free block. Reserved memory only grows while nothing is
+released, so the figure after the second step is the steady state's unless the cache had to
+be released (then :attr:`Reserved.retries` says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from memsim.tracer import Category, Phase
+
+from .caching import AllocConf, AllocatorOOM, CachingAllocator
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """The replay's figures at one point (bytes).
+
+    Attributes
+    ----------
+    reserved : int
+        ``max_memory_reserved`` over the first and the steady step.
+    allocated : int
+        ``max_memory_allocated`` as the allocator counts it (blocks handed out), steady step.
+    reserved_at_peak, largest_free_at_peak : int
+        Reserved bytes and the largest cached free block when the steady step's allocated
+        peak is reached.
+    workspace : int
+        Bytes of the cuBLAS workspace included.
+    segments : int
+        Segments (cudaMalloc calls, or expandable segments) held at the end.
+    retries : int
+        Times a reservation failed and the cache was released to retry (0: never near the
+        limit).
+    oom : int or None
+        The request (bytes) that could not be served even after releasing the cache: the step
+        runs out of memory. None: it ran.
+    conf : AllocConf
+    """
+
+    reserved: int
+    allocated: int
+    reserved_at_peak: int
+    largest_free_at_peak: int
+    workspace: int
+    segments: int
+    retries: int
+    oom: int | None
+    conf: AllocConf
+
+    def as_dict(self) -> dict:
+        return {"reserved": self.reserved, "allocated": self.allocated,
+                "reserved_at_peak": self.reserved_at_peak,
+                "largest_free_block_at_peak": self.largest_free_at_peak,
+                "cublas_workspace": self.workspace, "segments": self.segments,
+                "retries": self.retries, "oom_request": self.oom,
+                "alloc_conf": str(self.conf)}
+
+
+def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
+           limit: int | None = None, workspace: int = 0) -> Reserved:
+    """Replay ``step`` (a :class:`~memsim.analysis.StepMemory` of a CUDA trace) at ``point``.
+
+    ``limit``: the bytes the allocator may reserve (the card less the CUDA context); None is
+    unlimited. ``workspace``: bytes of cuBLAS workspace taken at the start of the first step.
+    """
+    conf = conf or AllocConf()
+    trace = step.trace
+    run, dev = trace.run, trace.device
+    subs = {trace.symbols[n]: v for n, v in point.items() if n in trace.symbols}
+    nbytes = _sizes(run, dev, subs)
+    edit = getattr(getattr(step, "rank", None), "edit", None) or {}
+    added = [(int(sympy.sympify(a.nbytes).xreplace(subs)), a.alloc, a.free)
+             for a in edit.get("added", ())]
+    moved: dict[int, int] = dict(edit.get("frees") or {})
+    keep = edit.get("keep")
+
+    alloc = CachingAllocator(conf, limit)
+    held: dict = {}            # key -> Block; keys are ("s", sid), ("a", k), ("ws",)
+    state = {"peak": -1, "at_peak": (0, 0), "measure": False}
+
+    def take(key, n: int | None, stream: int = 0) -> None:
+        if not n:  # not on the device (None) or empty
+            return
+        held[key] = alloc.malloc(n, stream)
+        if state["measure"] and alloc.allocated > state["peak"]:
+            state["peak"] = alloc.allocated
+            state["at_peak"] = (alloc.reserved, alloc.largest_free())
+
+    def drop(key) -> None:
+        b = held.pop(key, None)
+        if b is not None:
+            alloc.free(b)
+
+    try:
+        if run.warmed:  # warm-up steps traced: the measured step follows them in the run
+            take(("ws",), workspace)
+            for k, (n, at, _free) in enumerate(added):
+                if at <= run.start:
+                    take(("a", k), n)
+
+            def measure_from_start(i):
+                if i == run.start:
+                    state["measure"] = True
+            _events(run, 0, nbytes, take, drop, lambda k: k, added, moved, keep, {},
+                    before=measure_from_start)
+        else:
+            live0 = _live_at(run, run.start)
+            states = {sid for sid in live0 if run.storages[sid].category in
+                      (Category.OPTIMIZER_STATE, Category.GRADIENT)}
+            for sid in sorted(live0 - states):
+                take(("s", sid), nbytes[sid], run.storages[sid].stream)
+            for k, (n, at, _free) in enumerate(added):
+                if at <= run.start:
+                    take(("a", k), n)
+            take(("ws",), workspace)
+            opt_at = run.phase_ends.get(Phase.BACKWARD) if trace.train else None
+            lazy = sorted(sid for sid in states
+                          if run.storages[sid].category is Category.OPTIMIZER_STATE)
+
+            def first(i):
+                if i == opt_at:
+                    for sid in lazy:
+                        take(("s", sid), nbytes[sid], run.storages[sid].stream)
+
+            # first step: frees of what does not exist yet (the previous gradients) are skipped
+            _events(run, run.start, nbytes, take, drop, lambda k: k, added, moved, keep, {},
+                    before=first, absent={("s", sid) for sid in states
+                                          if run.storages[sid].category is Category.GRADIENT})
+            first_event = _alloc_index(run)
+
+            def made_in_step(sid: int) -> bool:
+                return first_event[sid] >= run.start
+
+            alias = _carry_over(run, live0, held, nbytes, made_in_step)
+            for key in [k for k in held if k[0] == "s"
+                        and k not in alias.values() and made_in_step(k[1])]:
+                drop(key)  # the previous step's outputs and loss, rebound by the loop
+            state["measure"] = True
+            renamed = {}
+            _events(run, run.start, nbytes, take, drop, lambda k: alias.get(k, renamed.get(k, k)),
+                    added, moved, keep, renamed, fresh=True)
+    except AllocatorOOM as e:
+        return Reserved(alloc.peak_reserved, alloc.peak_allocated, alloc.reserved,
+                        alloc.largest_free(), workspace, alloc.segments, alloc.retries,
+                        e.nbytes, conf)
+    r_at, free_at = state["at_peak"]
+    return Reserved(alloc.peak_reserved, state["peak"] if state["peak"] >= 0 else
+                    alloc.peak_allocated, r_at, free_at, workspace, alloc.segments,
+                    alloc.retries, None, conf)
+
+
+def _events(run, start, nbytes, take, drop, name, added, moved, keep, renamed, *,
+            before=None, absent=frozenset(), fresh=False):
+    """Replay ``run.events[start:]`` (with a strategy's timeline edit). ``name`` maps a
+    storage's key to the block that plays its part; with ``fresh`` a storage the step
+    allocates gets a new key (``renamed``) so the previous step's block of that id survives
+    until the step frees it."""
+    storages = run.storages
+    by_event: dict[int, list] = {}
+    for sid, i in moved.items():
+        by_event.setdefault(i, []).append(("free", ("s", sid)))
+    for k, (n, at, free) in enumerate(added):
+        if at > run.start:
+            by_event.setdefault(at, []).append(("take", ("a", k), n))
+        if free is not None:
+            by_event.setdefault(free, []).append(("free", ("a", k)))
+    events = run.events
+    for i in range(start, len(events) + 1):
+        if before is not None:
+            before(i)
+        for act in by_event.get(i, ()):
+            if act[0] == "take":
+                take(act[1], act[2])
+            else:
+                drop(name(act[1]))
+        if i == len(events):
+            break
+        e = events[i]
+        s = storages[e.sid]
+        if nbytes[e.sid] is None:
+            continue
+        if keep is not None and not keep(s, e.sign):
+            continue
+        key = ("s", e.sid)
+        if e.sign > 0:
+            if fresh:
+                renamed[key] = ("s2", e.sid)
+                key = renamed[key]
+            take(key, nbytes[e.sid], s.stream)
+        else:
+            if e.sid in moved or key in absent:
+                continue
+            drop(name(key))
+
+
+def _carry_over(run, live0: set, held: dict, nbytes, made_in_step) -> dict:
+    """For each storage alive when the step starts that the step frees, the block the first
+    step left in its place (same category, stream and size, in allocation order): the
+    previous step's gradients are this step's ``zero_grad`` frees."""
+    freed0 = [sid for sid in sorted(live0) if run.storages[sid].free is not None]
+    ends: dict[tuple, list] = {}
+    for key in held:
+        if key[0] == "s" and made_in_step(key[1]):
+            s = run.storages[key[1]]
+            ends.setdefault((s.category, s.stream, nbytes[key[1]]), []).append(key)
+    alias = {}
+    for sid in freed0:
+        s = run.storages[sid]
+        got = ends.get((s.category, s.stream, nbytes[sid]))
+        if got:
+            alias[("s", sid)] = got.pop(0)
+    return alias
+
+
+def _alloc_index(run) -> list[int]:
+    """Each storage's allocation event index (-1: none)."""
+    got = [-1] * len(run.storages)
+    for i, e in enumerate(run.events):
+        if e.sign > 0:
+            got[e.sid] = i
+    return got
+
+
+def _sizes(run, device: str, subs: dict) -> list:
+    cache: dict = {}
+    out = []
+    for s in run.storages:
+        if s.device != device:
+            out.append(None)
+            continue
+        e = s.nbytes
+        v = cache.get(e)
+        if v is None:
+            v = int(e) if e.is_Integer else int(e.xreplace(subs))
+            cache[e] = v
+        out.append(v)
+    return out
+
+
+def _live_at(run, upto: int) -> set[int]:
+    live: set[int] = set()
+    for ev in run.events[:upto]:
+        (live.add if ev.sign > 0 else live.discard)(ev.sid)
+    return live
