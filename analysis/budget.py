@@ -1,12 +1,19 @@
 """The per-device budget: tensor peak + named overhead terms, against a GPU, and the limits.
 
-``total = allocated + fragmentation + cuda_context + cublas_workspace + comm_buffers``
+``total = allocated + allocator_cache + cublas_workspace + cuda_context + comm_buffers
++ fragmentation``
 
 - ``allocated``: the step's exact peak of live tensor storages (512-byte blocks on CUDA): what
-  ``torch.cuda.max_memory_allocated`` reports. This is the exact part.
-- ``fragmentation``: the caching allocator reserves more than it hands out (split blocks,
-  unsplit remainders of up to 1 MiB, segments per stream); a configurable fraction of
-  ``allocated`` (default 5%). An estimate.
+  ``torch.cuda.max_memory_allocated`` reports, but for the allocator's whole unsplit blocks
+  (:mod:`memsim.analysis.caching`). This is the exact part.
+- ``allocator_cache``: what the CUDA caching allocator reserves beyond that: the step's
+  allocations and frees replayed through the allocator's rules at the point
+  (:func:`memsim.analysis.reserved.replay`), ``max_memory_reserved - allocated - cublas``.
+  ``allocated + cublas_workspace + allocator_cache`` is the predicted
+  ``torch.cuda.max_memory_reserved()`` (:attr:`Budget.reserved`).
+- ``fragmentation``: a margin of the user's own, a fraction of ``allocated`` (default 0; it was
+  the flat stand-in for the reserve before the replay). Where the replay cannot run (a fitted
+  symbol) it is at least 5% and a note says so.
 - ``cuda_context``: the CUDA context, kernels and driver state outside PyTorch's allocator; a
   default per GPU family, overridable. An estimate.
 - ``cublas_workspace``: the workspaces PyTorch gives cuBLAS/cuBLASLt per handle and stream
@@ -24,7 +31,9 @@ from dataclasses import dataclass, field
 
 from memsim.tracer import InputError
 
+from .caching import AllocConf
 from .gpus import GPU, MiB
+from .reserved import Reserved, replay
 from .search import largest_true
 
 # CUDA context + loaded kernels with lazy module loading (the default since CUDA 12.2), per
@@ -51,17 +60,21 @@ class Overheads:
     Attributes
     ----------
     fragmentation : float
-        Reserved-but-not-allocated memory as a fraction of the allocated peak.
+        An extra margin, a fraction of the allocated peak, on top of the replayed reserve.
     cuda_context, cublas_workspace : int or None
         Bytes.
     comm_buffers : int
         Bytes of communication buffers (strategies fill this in).
+    alloc_conf : AllocConf or None
+        The caching allocator's settings (``PYTORCH_CUDA_ALLOC_CONF``); None: PyTorch's
+        defaults.
     """
 
-    fragmentation: float = 0.05
+    fragmentation: float = 0.0
     cuda_context: int | None = None
     cublas_workspace: int | None = None
     comm_buffers: int = 0
+    alloc_conf: AllocConf | None = None
 
     def __post_init__(self):
         if not 0 <= self.fragmentation < 1:
@@ -106,6 +119,10 @@ class Budget:
     max_batch, max_seq : int or None
         Largest size of the batch / sequence symbol that fits (others at the point); None
         when the symbol is absent; 0 when not even size 1 fits.
+    reserved : int or None
+        Predicted ``torch.cuda.max_memory_reserved()`` (CUDA, replayed); None elsewhere.
+    replay : Reserved or None
+        The caching allocator replay at the point (:class:`memsim.analysis.reserved.Reserved`).
     notes : list of str
     basis : str
         ``"exact"`` when ``allocated`` comes from the trace alone; ``"traced; ... modelled"``
@@ -127,15 +144,23 @@ class Budget:
     max_seq: int | None = None
     notes: list[str] = field(default_factory=list)
     basis: str = "exact"  # how "allocated" was obtained (Report.basis)
+    reserved: int | None = None
+    replay: Reserved | None = None
+    overheads: Overheads | None = None  # the settings the terms were computed with
 
 
 class _Model:
     """``total(point)`` for one report and step, exact and fast (integer arithmetic)."""
 
-    def __init__(self, report, step: str, overheads: Overheads, family: str):
+    def __init__(self, report, step: str, overheads: Overheads, family: str,
+                 capacity: int | None = None):
         self.report, self.step_name = report, step
         self.overheads = overheads
         self.fixed = overheads.fixed(report.device, family)
+        # what the caching allocator may reserve: the card less what lives outside it
+        self.limit = (None if capacity is None else
+                      capacity - self.fixed["cuda_context"] - self.fixed["comm_buffers"])
+        self._replays: dict[tuple, Reserved | None] = {}
 
     def step_of(self, report):
         return report.train if self.step_name == "train" else report.inference
@@ -148,9 +173,32 @@ class _Model:
         step.check_point(pt)
         return step.value("peak", pt)
 
-    def overhead(self, allocated: int) -> dict[str, int]:
-        frag = int(allocated * self.overheads.fragmentation) if self.report.device == "cuda" else 0
-        return {"fragmentation": frag, **self.fixed}
+    def replayed(self, point: dict[str, int]) -> Reserved | None:
+        """The caching allocator replayed at ``point`` (None off CUDA, or for a fitted
+        report, which has no trace at every point)."""
+        if self.report.device != "cuda" or getattr(self.report, "fit", None) is not None:
+            return None
+        key = tuple(sorted(point.items()))
+        if key not in self._replays:
+            report, pt = self.report.for_point(point)
+            self._replays[key] = replay(self.step_of(report), pt,
+                                        conf=self.overheads.alloc_conf, limit=self.limit,
+                                        workspace=self.fixed["cublas_workspace"])
+        return self._replays[key]
+
+    def overhead(self, allocated: int, point: dict[str, int]) -> dict[str, int]:
+        if self.report.device != "cuda":
+            return {"fragmentation": 0, **self.fixed}
+        r = self.replayed(point)
+        frac = self.overheads.fragmentation
+        cache = 0
+        if r is None:
+            frac = max(frac, 0.05)
+        elif r.oom is not None:  # at least what the failed request needed past the limit
+            cache = max(self.limit + r.oom - allocated - self.fixed["cublas_workspace"], 0)
+        else:
+            cache = max(r.reserved - allocated - self.fixed["cublas_workspace"], 0)
+        return {"allocator_cache": cache, "fragmentation": int(allocated * frac), **self.fixed}
 
     def floor(self, point: dict[str, int]) -> int:
         """Bytes no size can go below: model states live for the whole step + fixed terms."""
@@ -163,7 +211,7 @@ class _Model:
 
     def total(self, point: dict[str, int]) -> int:
         a = self.allocated(point)
-        return a + sum(self.overhead(a).values())
+        return a + sum(self.overhead(a, point).values())
 
 
 def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
@@ -177,7 +225,7 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
     capacity = gpu.bytes if capacity is None else capacity
     overheads = overheads or Overheads()
     step_name = "train" if report.train is not None else "inference"
-    model = _Model(report, step_name, overheads, gpu.family if gpu else "unknown")
+    model = _Model(report, step_name, overheads, gpu.family if gpu else "unknown", capacity)
     point = dict(point or {})
     notes: list[str] = []
     missing = [n for n in report.symbols if n not in point]
@@ -185,18 +233,56 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
         raise InputError(f"the budget needs a size for {', '.join(missing)}",
                          hint="give --at with every symbol, e.g. --at B=4,S=2048")
     allocated = model.allocated(point)
-    overhead = model.overhead(allocated)
+    overhead = model.overhead(allocated, point)
     total = allocated + sum(overhead.values())
+    r = model.replayed(point)
+    if report.device == "cuda":
+        notes.extend(_replay_notes(r, overheads, model.limit))
     usable = int(capacity * (1 - margin))
     sub, pt = report.for_point(point)
     bd = model.step_of(sub).breakdown(pt)
     dominant = max(bd, key=bd.get) if any(bd.values()) else "-"
     b = Budget(step_name, gpu, capacity, margin, allocated, overhead, total, total <= usable,
                (capacity - total) / capacity, dominant, bd, notes=notes,
-               basis=report.basis)
+               basis=report.basis, replay=r, overheads=overheads,
+               reserved=(allocated + overhead["allocator_cache"] + overhead["cublas_workspace"]
+                         if r is not None and r.oom is None else None))
     b.max_batch = _solve(model, report, point, batch, usable, notes)
     b.max_seq = _solve(model, report, point, seq, usable, notes)
     return b
+
+
+def cache_fraction(report, point: dict[str, int], *, overheads: Overheads | None = None,
+                   family: str = "unknown") -> float:
+    """What the caching allocator reserves beyond the allocated peak of ``report``'s step at
+    ``point``, as a fraction of that peak (no capacity limit: the step may not fit); 0 off
+    CUDA, and 5% where the replay cannot run (a fitted report)."""
+    if report.device != "cuda":
+        return 0.0
+    ov = overheads or Overheads()
+    step = "train" if report.train is not None else "inference"
+    m = _Model(report, step, ov, family, None)
+    alloc = m.allocated(point)
+    over = m.overhead(alloc, point)
+    return (over["allocator_cache"] + over["fragmentation"]) / alloc if alloc else 0.0
+
+
+def _replay_notes(r: Reserved | None, overheads: Overheads, limit: int | None) -> list[str]:
+    if r is None:
+        return ["reserved memory is not replayed for a report with fitted symbols: the "
+                "allocator's reserve is taken as 5% of the allocated peak (an estimate)"]
+    conf = overheads.alloc_conf
+    out = [f"reserved memory: the step's allocations replayed through PyTorch 2.13's CUDA "
+           f"caching allocator ({'PYTORCH_CUDA_ALLOC_CONF=' + str(conf) if conf and conf.text else 'default settings'}), "
+           "after a first step; the rules are read from its source, the replay has not been "
+           "compared with a GPU run"]
+    if r.oom is not None:
+        out.append(f"the caching allocator runs out of memory: a request of {r.oom:,} B cannot "
+                   f"be reserved within {limit:,} B even after releasing its cache")
+    elif r.retries:
+        out.append(f"the caching allocator released its cache {r.retries} time(s) to stay "
+                   "within the card (slow steps: cudaFree synchronizes)")
+    return out
 
 
 def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: list):
@@ -247,7 +333,8 @@ def sweep(report, point: dict[str, int], *, gpu: GPU | None = None, capacity: in
         return [], [], []
     capacity = gpu.bytes if (capacity is None and gpu is not None) else capacity
     step_name = "train" if report.train is not None else "inference"
-    model = _Model(report, step_name, overheads or Overheads(), gpu.family if gpu else "unknown")
+    model = _Model(report, step_name, overheads or Overheads(), gpu.family if gpu else "unknown",
+                   capacity)
     s_lo, s_hi = report.extent.get(seq, (2, None))
     seqs = [s for s in seqs if s >= s_lo and (s_hi is None or s <= s_hi)]
     if s_hi is not None and s_hi not in seqs and (not seqs or s_hi > seqs[-1]):

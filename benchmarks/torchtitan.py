@@ -20,7 +20,13 @@ dropped after the loss as torchtitan's loop does, ``--device cuda``:
   attention kernels and of the reduce-scatter, recompute the rest.
 
 What is compared: memsim's allocated peak (tensor bytes, 512-byte blocks) against torchtitan's
-peak active bytes (the same quantity: bytes of allocated blocks in use). Not measured here: no
+peak active bytes (the same quantity: bytes of allocated blocks in use); and memsim's predicted
+``max_memory_reserved`` (the step replayed through the CUDA caching allocator,
+:mod:`memsim.analysis.reserved`, with the cuBLAS workspace of an H100) against torchtitan's peak
+reserved (31.02 and 59.41 GiB), as the ratio reserved / active of each. PR #165 does not state
+the allocator settings: both PyTorch's defaults and ``expandable_segments:True`` are printed.
+The FSDP1 rows of the table (23.58 / 32.14 and 50.35 / 63.90) are not compared: memsim
+models FSDP2, not FSDP1. Not measured here: no
 GPU. memsim's trace of the full plan equals real CPU runs of the same mechanisms
 (tests/test_widths.py, tests/test_checkpoint.py::test_blocks_plan_equals_hugging_faces_own_
 checkpointing); its trace of torch's SAC is not checked against a real run yet and is 12,288 B
@@ -43,7 +49,9 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 GIB = 2**30
-PUBLISHED = {"full": 22.73, "op-sac": 49.54}  # GiB, torchtitan PR #165, FSDP2 rows
+PUBLISHED = {"full": 22.73, "op-sac": 49.54}  # GiB, torchtitan PR #165, FSDP2 rows, active
+RESERVED = {"full": 31.02, "op-sac": 59.41}   # the same runs, peak reserved
+CUBLAS_H100 = 32 * 2**20 + 2**20  # analysis.budget.CUBLAS_BYTES["hopper"]
 
 _SAVED_OPS = {torch.ops.aten.mm.default,
               torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -83,7 +91,9 @@ def llama_2_7b(layers: int, op_sac: bool) -> torch.nn.Module:
     return m
 
 
-def run(plan: str, layers: int) -> tuple[float, float]:
+def run(plan: str, layers: int) -> tuple[float, dict, float]:
+    from memsim.analysis.caching import AllocConf
+    from memsim.analysis.reserved import replay
     from memsim.strategies import FSDP, analyze
 
     model = llama_2_7b(layers, op_sac=plan == "op-sac")
@@ -92,8 +102,11 @@ def run(plan: str, layers: int) -> tuple[float, float]:
                      fsdp=FSDP(dp=8, param_dtype="bfloat16", reduce_dtype="float32"),
                      checkpoint="blocks" if plan == "full" else None, keep_outputs=False,
                      device="cuda", inference=False)
-    peak = report.at(B=8, S=2048)["train"]["peak"]
-    return peak / GIB, time.perf_counter() - t0
+    sub, pt = report.for_point({"B": 8, "S": 2048})
+    peak = sub.train.value("peak", pt)
+    reserved = {conf: replay(sub.train, pt, conf=AllocConf.parse(conf), workspace=CUBLAS_H100)
+                for conf in ("", "expandable_segments:True")}
+    return peak / GIB, reserved, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -102,12 +115,24 @@ def main() -> None:
     args = ap.parse_args()
     print(f"Llama-2-7B shape, {args.layers} layers, FSDP2 dp 8, bf16 params / fp32 reduce, "
           "B 8, S 2048, --device cuda")
+    rows = []
     print(f"{'checkpointing':<14} {'memsim GiB':>11} {'published GiB':>14} {'ratio':>7} "
-          f"{'trace s':>8}")
+          f"{'trace s':>8}   (peak allocated / active)")
     for plan in ("full", "op-sac"):
-        gib, secs = run(plan, args.layers)
+        gib, reserved, secs = run(plan, args.layers)
         pub = PUBLISHED[plan] if args.layers == 32 else float("nan")
         print(f"{plan:<14} {gib:>11.2f} {pub:>14.2f} {gib / pub:>7.3f} {secs:>8.1f}")
+        rows.append((plan, reserved))
+    print()
+    print(f"{'checkpointing':<14} {'allocator':<12} {'reserved GiB':>13} {'published':>10} "
+          f"{'reserved/allocated':>19} {'published':>10} {'ratio':>7}")
+    for plan, reserved in rows:
+        pub_r = RESERVED[plan] if args.layers == 32 else float("nan")
+        pub_ratio = pub_r / PUBLISHED[plan]
+        for conf, r in reserved.items():
+            ratio = r.reserved / r.allocated
+            print(f"{plan:<14} {'expandable' if conf else 'default':<12} {r.reserved / GIB:>13.2f} "
+                  f"{pub_r:>10.2f} {ratio:>19.3f} {pub_ratio:>10.3f} {ratio / pub_ratio:>7.3f}")
 
 
 if __name__ == "__main__":

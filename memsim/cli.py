@@ -100,8 +100,12 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     b.add_argument("--gpu-file", metavar="FILE", help="extra GPUs, JSON or TOML {key: {name, mib, family}}")
     b.add_argument("--margin", type=float, default=0.10,
                    help="safety margin, fraction of the capacity kept free (default 0.10)")
-    b.add_argument("--fragmentation", type=float, default=0.05,
-                   help="allocator reserve, fraction of the allocated peak (default 0.05)")
+    b.add_argument("--fragmentation", type=float, default=0.0,
+                   help="an extra margin of your own, fraction of the allocated peak, on top "
+                        "of the caching allocator's replayed reserve (default 0)")
+    b.add_argument("--alloc-conf", metavar="CONF",
+                   help="the CUDA caching allocator's settings, PYTORCH_CUDA_ALLOC_CONF's "
+                        "syntax, e.g. expandable_segments:True,max_split_size_mb:128")
     b.add_argument("--cuda-context", metavar="SIZE",
                    help="CUDA context size (default: per GPU family, see README)")
     p = a.add_argument_group("strategies (per rank)")
@@ -310,7 +314,13 @@ def _budget_setup(args, point):
     device = gpu(args.gpu) if args.gpu else None
     cap = parse_memory(args.memory) if args.memory else None
     ctx = parse_memory(args.cuda_context) if args.cuda_context else None
-    return device, cap, Overheads(fragmentation=args.fragmentation, cuda_context=ctx)
+    from memsim.analysis.caching import AllocConf
+    if args.alloc_conf and args.device != "cuda":
+        raise UsageError("--alloc-conf configures the CUDA caching allocator",
+                         hint="it applies with --device cuda (the default)")
+    conf = AllocConf.parse(args.alloc_conf) if args.alloc_conf else None
+    return device, cap, Overheads(fragmentation=args.fragmentation, cuda_context=ctx,
+                                  alloc_conf=conf)
 
 
 def run(argv: list[str] | None = None) -> int:

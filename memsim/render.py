@@ -64,7 +64,8 @@ def budget_json(b) -> dict:
             "allocated": b.allocated, "overhead": dict(b.overhead), "total": b.total,
             "margin": b.margin, "fits": b.fits, "headroom": round(b.headroom, 6),
             "dominant": b.dominant, "max_batch": b.max_batch, "max_seq": b.max_seq,
-            "notes": list(b.notes), "basis": b.basis}
+            "notes": list(b.notes), "basis": b.basis, "reserved": b.reserved,
+            "replay": b.replay.as_dict() if b.replay is not None else None}
 
 
 def to_json(report: Report, point: dict[str, int] | None = None, budget=None,
@@ -192,13 +193,21 @@ def budget_text(b, device: str) -> str:
         f"{b.capacity:,} bytes ({human(b.capacity)})"
     verdict = "FITS" if b.fits else "DOES NOT FIT"
     rows = [[f"allocated by tensors ({b.basis})", human(b.allocated)]]
-    est = {"fragmentation": "allocator reserve (estimate)",
+    est = {"allocator_cache": "cached by the allocator, not allocated (replayed)",
+           "fragmentation": "extra margin (--fragmentation)",
            "cuda_context": "CUDA context (estimate)",
-           "cublas_workspace": "cuBLAS workspace (estimate)",
+           "cublas_workspace": "cuBLAS workspace (PyTorch's default)",
            "comm_buffers": "communication buffers (not in the trace)"}
-    for k, v in b.overhead.items():
+    order = ["cublas_workspace", "allocator_cache"] + [
+        k for k in b.overhead if k not in ("cublas_workspace", "allocator_cache")]
+    for k in order:
+        v = b.overhead.get(k)
+        if v is None or (k == "fragmentation" and not v):
+            continue
         if v or device == "cuda":
             rows.append([est.get(k, k), human(v)])
+        if k == "allocator_cache" and b.reserved is not None:
+            rows.append(["= reserved (max_memory_reserved)", human(b.reserved)])
     rows += [["total", human(b.total)],
              [f"usable ({1 - b.margin:.0%} of capacity)", human(int(b.capacity * (1 - b.margin)))],
              ["capacity", human(b.capacity)]]
@@ -213,6 +222,12 @@ def budget_text(b, device: str) -> str:
     if lim:
         out.append("; ".join(lim) + " (the other sizes as given; solved from the formula, "
                                     "checked at the answer and the next size)")
+    if b.replay is not None and b.replay.oom is None:
+        r = b.replay
+        out.append(f"caching allocator at the allocated peak: {human(r.reserved_at_peak)} "
+                   f"reserved, largest cached free block {human(r.largest_free_at_peak)}; "
+                   f"max_memory_allocated {human(r.allocated)} (whole blocks, cuBLAS "
+                   f"workspace included); {r.segments} segments")
     out += [f"note: {n}" for n in b.notes]
     return "\n".join(out)
 
@@ -230,7 +245,7 @@ def _sweep_text(report, point, b, batch, seq) -> list[str]:
     if seq not in report.symbols:
         return []
     batches, seqs, rows = sweep(report, point, gpu=b.gpu, capacity=b.capacity, batch=batch,
-                                seq=seq, overheads=None)
+                                seq=seq, overheads=b.overheads, margin=b.margin)
     usable = int(b.capacity * (1 - b.margin))
     table = []
     for bv, row in zip(batches, rows):

@@ -468,12 +468,20 @@ def ranking(report) -> list[Ranked]:
 def budget_bytes(report, point: dict[str, int], *, capacity: int, margin: float = 0.10,
                  gpu=None, overheads=None) -> int:
     """The largest tensor peak (allocated bytes) that fits ``capacity`` with the budget's margin
-    and overhead terms (:mod:`memsim.analysis.budget`)."""
-    from memsim.analysis.budget import Overheads
+    and overhead terms (:mod:`memsim.analysis.budget`).
+
+    On CUDA the caching allocator's reserve depends on the plan's own allocations, which the
+    search does not replay plan by plan: it is taken as the fraction of the allocated peak the
+    allocator caches in ``report``'s step (no plan) replayed at ``point``, plus the user's
+    ``fragmentation`` (:func:`memsim.analysis.budget.cache_fraction`)."""
+    from memsim.analysis.budget import Overheads, cache_fraction
 
     ov = overheads or Overheads()
-    fixed = sum(ov.fixed(report.device, gpu.family if gpu else "unknown").values())
+    family = gpu.family if gpu else "unknown"
+    fixed = sum(ov.fixed(report.device, family).values())
     frag = ov.fragmentation if report.device == "cuda" else 0.0
+    if point is not None:
+        frag = max(frag, cache_fraction(report, point, overheads=ov, family=family))
     usable = int(capacity * (1 - margin))
     a = int((usable - fixed) / (1 + frag))
     while a > 0 and a + int(a * frag) + fixed > usable:

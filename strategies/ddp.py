@@ -70,6 +70,9 @@ class RankMemory:
     buffers: dict[str, sympy.Expr] = field(default_factory=dict)  # communication buffers
     notes: list[str] = field(default_factory=list)
     candidates: list = field(default_factory=list)
+    # the timeline edit behind ``candidates`` (edited_candidates' frees / added / keep), which
+    # the caching allocator replay applies too (memsim.analysis.reserved)
+    edit: dict = field(default_factory=dict)
 
 
 def ddp_rank(report, model: torch.nn.Module, ddp: DDP) -> RankMemory:
@@ -85,24 +88,25 @@ def ddp_rank(report, model: torch.nn.Module, ddp: DDP) -> RankMemory:
     if step is None:
         raise StrategyError("DDP needs the training step", hint="do not pass --inference")
     buckets = step.gradients
+    run = step.trace.run
     if not ddp.gradient_as_bucket_view:
         cands = [Candidate(sympy.expand(c.expr + buckets), c.event, c.label)
                  for c in step.candidates]
+        edit = {"added": [Added(buckets, run.start)]}
         how = "hold a copy of every gradient"
     else:
-        run = step.trace.run
         frees: dict[int, int] = {}
         for i, sid in run.grad_ready:
             if sid is not None and run.storages[sid].phase is Phase.BACKWARD:
                 frees.setdefault(sid, i)
-        cands = edited_candidates(
-            step.trace, frees=frees, added=[Added(buckets, run.start)],
-            keep=lambda s, sign: s.category is not Category.GRADIENT or s.sid in frees)
+        edit = {"frees": frees, "added": [Added(buckets, run.start)],
+                "keep": lambda s, sign: s.category is not Category.GRADIENT or s.sid in frees}
+        cands = edited_candidates(step.trace, **edit)
         how = ("are the gradients (gradient_as_bucket_view): each gradient autograd produces "
                "is dropped once copied in")
     return RankMemory(peak=as_max(cands), candidates=cands, parameters=step.parameters,
                       gradients=step.gradients, optimizer_states=step.optimizer_states,
-                      buffers={"ddp_buckets": buckets},
+                      buffers={"ddp_buckets": buckets}, edit=edit,
                       notes=[f"DDP buckets ({ddp.bucket_cap_mb:g} MiB each), allocated at "
                              f"construction, {how}"])
 

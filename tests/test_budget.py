@@ -54,30 +54,41 @@ def test_limit_below_the_formula_range_uses_the_size_one_trace():
 
 def test_margin_headroom_and_overheads_on_cuda():
     """The budget's figures from the terms the module documents, computed here: the allocated
-    peak (report.at, 512-byte blocks), 5% of it for fragmentation, the given context, Hopper's
-    cuBLAS workspaces; fits within capacity * 0.9; the largest B and S are the last sizes that
-    fit (checked at the answer and the next size with this total, not the budget's)."""
+    peak (report.at, 512-byte blocks), the reserve of the caching allocator replayed at the
+    point (tests/test_caching.py checks the replay's rules), the given context, Hopper's cuBLAS
+    workspaces; fits within capacity * 0.9; the largest B and S are the last sizes that fit
+    (checked at the answer and the next size with this total, not the budget's)."""
+    from memsim.analysis.reserved import replay
+
     with torch.device("meta"):
         m = zoo.Block()
     from memsim.analysis import analyze
     r = analyze(m, SEQ, device="cuda", inference=False)
     h100 = gpu("H100 80GB")
-    b = plan(r, {"B": 4, "S": 64}, gpu=h100, overheads=Overheads(cuda_context=100 * 2 ** 20))
+    ctx, ws = 100 * 2 ** 20, 33 * 2 ** 20  # cuBLAS 32 MiB (sm90: 4096 KiB * 8) + cuBLASLt 1 MiB
+    b = plan(r, {"B": 4, "S": 64}, gpu=h100, overheads=Overheads(cuda_context=ctx))
     capacity = 81559 * 2 ** 20  # H100 80GB: 81,559 MiB (nvidia-smi)
     usable = int(capacity * (1 - 0.10))  # the default margin
 
+    def reserved(B, S):
+        sub, pt = r.for_point({"B": B, "S": S})
+        return replay(sub.train, pt, workspace=ws, limit=capacity - ctx).reserved
+
     def total(B, S):
-        peak = r.at(B=B, S=S)["train"]["peak"]
-        # fragmentation 5%, context as given, cuBLAS 32 MiB (sm90: 4096 KiB * 8) + cuBLASLt 1 MiB
-        return peak + int(peak * 0.05) + 100 * 2 ** 20 + 33 * 2 ** 20
+        return reserved(B, S) + ctx
 
     assert b.capacity == capacity
     assert b.allocated == r.at(B=4, S=64)["train"]["peak"]
-    assert b.overhead == {"fragmentation": int(b.allocated * 0.05), "cuda_context": 100 * 2 ** 20,
-                          "cublas_workspace": 33 * 2 ** 20, "comm_buffers": 0}
+    assert b.reserved == reserved(4, 64) > b.allocated + ws
+    assert b.overhead == {"allocator_cache": b.reserved - b.allocated - ws, "fragmentation": 0,
+                          "cuda_context": ctx, "cublas_workspace": ws, "comm_buffers": 0}
     assert b.total == total(4, 64) and b.fits and b.headroom == (capacity - total(4, 64)) / capacity
     assert total(b.max_batch, 64) <= usable < total(b.max_batch + 1, 64)
     assert total(4, b.max_seq) <= usable < total(4, b.max_seq + 1)
+    # --fragmentation is a margin of the user's own on top of the replayed reserve
+    b5 = plan(r, {"B": 4, "S": 64}, gpu=h100,
+              overheads=Overheads(cuda_context=ctx, fragmentation=0.05))
+    assert b5.total == b.total + int(b.allocated * 0.05)
 
 
 def test_units_are_explicit():

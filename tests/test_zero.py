@@ -238,6 +238,15 @@ def test_zero_offload_splits_device_and_host_on_gpu():
     assert g["peak"] < c["peak"] < g["peak"] + host
     assert "host_bytes" not in one.strategy
     assert torch.nn.functional.linear is LINEAR  # a later analysis traces torch's linear
+    # the caching allocator replay of DeepSpeed's loop runs its traced warm-up steps first;
+    # with expandable segments (every block split to its request) the measured step's
+    # allocated peak in the replay is the traced device peak exactly
+    from memsim.analysis.caching import AllocConf
+    from memsim.analysis.reserved import replay
+    sub, pt = gpu.for_point({"B": 2, "S": 16})
+    assert sub.train.trace.run.warmed
+    rr = replay(sub.train, pt, conf=AllocConf.parse("expandable_segments:True"))
+    assert rr.allocated == g["peak"] and rr.reserved >= rr.allocated
 
 
 def test_ddp_adds_one_gradient_copy():
