@@ -285,6 +285,16 @@ class Block:
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
 
+    def split(self, size: int) -> "Block":
+        """Keep the first ``size`` bytes; return the rest as a new block linked after."""
+        rest = Block(self.size - size, self.addr + size, self.stream, self.small, self.segment)
+        rest.prev, rest.next = self, self.next
+        if self.next is not None:
+            self.next.prev = rest
+        self.next = rest
+        self.size = size
+        return rest
+
     def key(self) -> tuple:
         return (self.stream, self.size, self.addr)
 
@@ -392,14 +402,7 @@ class CachingAllocator:
             if block is None:
                 raise AllocatorOOM(nbytes, self.allocated, self.reserved)
         if self._should_split(block, size):
-            rest = Block(block.size - size, block.addr + size, stream, block.small,
-                         block.segment)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            pool.insert(rest)
+            pool.insert(block.split(size))
         block.allocated = True
         block.requested = nbytes
         self.allocated += block.size
@@ -587,13 +590,8 @@ class CachingAllocator:
         pool.remove_unmapped(b)
         b.mapped = True
         if mapped < b.size:
-            rest = Block(b.size - mapped, b.addr + mapped, b.stream, b.small, seg)
+            rest = b.split(mapped)
             rest.mapped = False
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = mapped
             pool.insert_unmapped(rest)
         self._merge(b, b.prev, pool)
         self._merge(b, b.next, pool)
@@ -609,23 +607,14 @@ class CachingAllocator:
         if lo >= hi:
             return
         pool.remove(b)
-        if lo > b.addr:
-            before = Block(lo - b.addr, b.addr, b.stream, b.small, seg)
-            before.prev, before.next = b.prev, b
-            if b.prev is not None:
-                b.prev.next = before
-            b.prev = before
-            pool.insert(before)
-        end = b.addr + b.size
-        if end > hi:
-            after = Block(end - hi, hi, b.stream, b.small, seg)
-            after.prev, after.next = b, b.next
-            if b.next is not None:
-                b.next.prev = after
-            b.next = after
-            pool.insert(after)
-        b.addr, b.size, b.mapped = lo, hi - lo, False
-        self.reserved -= hi - lo
+        if b.addr + b.size > hi:          # a partial page at the end stays mapped and free
+            pool.insert(b.split(hi - b.addr))
+        if lo > b.addr:                   # and one at the start
+            mid = b.split(lo - b.addr)
+            pool.insert(b)
+            b = mid
+        b.mapped = False
+        self.reserved -= b.size
         self._merge(b, b.prev, pool)
         self._merge(b, b.next, pool)
         pool.insert_unmapped(b)
