@@ -79,23 +79,32 @@ class Reserved:
                 "alloc_conf": str(self.conf)}
 
 
+def timeline_edit(step, subs: dict) -> tuple[list, dict, object]:
+    """A modelled strategy's edit of ``step``'s timeline (:attr:`RankMemory.edit` of DDP) as
+    ``(added, moved, keep)``: added storages ``(bytes, alloc event, free event or None)`` at the
+    point ``subs``, frees moved ``{sid: event}``, and the filter of the run's events."""
+    edit = getattr(getattr(step, "rank", None), "edit", None) or {}
+    added = [(int(sympy.sympify(a.nbytes).xreplace(subs)), a.alloc, a.free)
+             for a in edit.get("added", ())]
+    return added, dict(edit.get("frees") or {}), edit.get("keep")
+
+
 def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
-           limit: int | None = None, workspace: int = 0) -> Reserved:
+           limit: int | None = None, workspace: int = 0,
+           record: list | None = None) -> Reserved:
     """Replay ``step`` (a :class:`~memsim.analysis.StepMemory` of a CUDA trace) at ``point``.
 
     ``limit``: the bytes the allocator may reserve (the card less the CUDA context); None is
     unlimited. ``workspace``: bytes of cuBLAS workspace taken at the start of the first step.
+    ``record``: a list that receives the reserved bytes after each event of the measured step
+    (``record[j]`` after event ``run.start + j``), for a timeline.
     """
     conf = conf or AllocConf()
     trace = step.trace
     run, dev = trace.run, trace.device
     subs = {trace.symbols[n]: v for n, v in point.items() if n in trace.symbols}
-    nbytes = _sizes(run, dev, subs)
-    edit = getattr(getattr(step, "rank", None), "edit", None) or {}
-    added = [(int(sympy.sympify(a.nbytes).xreplace(subs)), a.alloc, a.free)
-             for a in edit.get("added", ())]
-    moved: dict[int, int] = dict(edit.get("frees") or {})
-    keep = edit.get("keep")
+    nbytes = sizes_at(run, dev, subs)
+    added, moved, keep = timeline_edit(step, subs)
 
     alloc = CachingAllocator(conf, limit)
     held: dict = {}            # key -> Block; keys are ("s", sid), ("a", k), ("ws",)
@@ -124,8 +133,10 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
             def measure_from_start(i):
                 if i == run.start:
                     state["measure"] = True
-            _events(run, 0, nbytes, take, drop, lambda k: k, added, moved, keep, {},
-                    before=measure_from_start)
+                if record is not None and i > run.start:
+                    record.append(alloc.reserved)
+            walk_events(run, 0, nbytes, take, drop, lambda k: k, added, moved, keep, {},
+                        before=measure_from_start)
         else:
             live0 = _live_at(run, run.start)
             states = {sid for sid in live0 if run.storages[sid].category in
@@ -146,8 +157,8 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
                         take(("s", sid), nbytes[sid], run.storages[sid].stream)
 
             # first step: frees of what does not exist yet (the previous gradients) are skipped
-            _events(run, run.start, nbytes, take, drop, lambda k: k, added, moved, keep, {},
-                    before=first, absent={("s", sid) for sid in states
+            walk_events(run, run.start, nbytes, take, drop, lambda k: k, added, moved, keep,
+                        {}, before=first, absent={("s", sid) for sid in states
                                           if run.storages[sid].category is Category.GRADIENT})
             first_event = _alloc_index(run)
 
@@ -160,8 +171,13 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
                 drop(key)  # the previous step's outputs and loss, rebound by the loop
             state["measure"] = True
             renamed = {}
-            _events(run, run.start, nbytes, take, drop, lambda k: alias.get(k, renamed.get(k, k)),
-                    added, moved, keep, renamed, fresh=True)
+
+            def after_each(i):
+                if record is not None and i > run.start:
+                    record.append(alloc.reserved)
+            walk_events(run, run.start, nbytes, take, drop,
+                        lambda k: alias.get(k, renamed.get(k, k)), added, moved, keep, renamed,
+                        before=after_each, fresh=True)
     except AllocatorOOM as e:
         return Reserved(alloc.peak_reserved, alloc.peak_allocated, alloc.reserved,
                         alloc.largest_free(), workspace, alloc.segments, alloc.retries,
@@ -172,12 +188,14 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
                     alloc.retries, None, conf)
 
 
-def _events(run, start, nbytes, take, drop, name, added, moved, keep, renamed, *,
-            before=None, absent=frozenset(), fresh=False):
-    """Replay ``run.events[start:]`` (with a strategy's timeline edit). ``name`` maps a
-    storage's key to the block that plays its part; with ``fresh`` a storage the step
-    allocates gets a new key (``renamed``) so the previous step's block of that id survives
-    until the step frees it."""
+def walk_events(run, start, nbytes, take, drop, name, added, moved, keep, renamed, *,
+                before=None, absent=frozenset(), fresh=False):
+    """Walk ``run.events[start:]`` with a strategy's timeline edit (:func:`timeline_edit`),
+    calling ``take(key, bytes, stream)`` and ``drop(key)``; keys are ``("s", sid)`` for the
+    run's storages and ``("a", k)`` for added ones. ``name`` maps a storage's key to the one
+    that plays its part; with ``fresh`` a storage the step allocates gets a new key
+    (``renamed``) so the previous step's block of that id survives until the step frees it.
+    ``before(i)`` is called before event ``i`` (and once with ``len(run.events)``)."""
     storages = run.storages
     by_event: dict[int, list] = {}
     for sid, i in moved.items():
@@ -244,7 +262,8 @@ def _alloc_index(run) -> list[int]:
     return got
 
 
-def _sizes(run, device: str, subs: dict) -> list:
+def sizes_at(run, device: str, subs: dict) -> list:
+    """Each storage's requested bytes at the point ``subs`` (None: not on ``device``)."""
     cache: dict = {}
     out = []
     for s in run.storages:

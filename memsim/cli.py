@@ -154,6 +154,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--top", type=int, default=8, help="modules to list (default 8)")
     a.add_argument("--check", action="store_true",
                    help="exit 1 when the step does not fit --gpu/--memory (for CI)")
+    a.add_argument("--timeline", metavar="FILE",
+                   help="draw the step's live memory over its allocations and frees, stacked "
+                        "by category, at --at: FILE.html (a page), .png, .svg or .pdf (needs "
+                        "matplotlib: pip install 'memsim[plot]')")
     f = sub.add_parser("fit", help="does one training step fit a GPU? exit 0 yes, 1 no")
     _add_common(f)
     f.add_argument("--inference", action="store_true", help="check inference instead")
@@ -314,13 +318,32 @@ def _budget_setup(args, point):
     device = gpu(args.gpu) if args.gpu else None
     cap = parse_memory(args.memory) if args.memory else None
     ctx = parse_memory(args.cuda_context) if args.cuda_context else None
+    return device, cap, Overheads(fragmentation=args.fragmentation, cuda_context=ctx,
+                                  alloc_conf=_alloc_conf(args))
+
+
+def _alloc_conf(args):
+    """``--alloc-conf`` parsed (None: PyTorch's defaults); refused off CUDA."""
     from memsim.analysis.caching import AllocConf
     if args.alloc_conf and args.device != "cuda":
         raise UsageError("--alloc-conf configures the CUDA caching allocator",
                          hint="it applies with --device cuda (the default)")
-    conf = AllocConf.parse(args.alloc_conf) if args.alloc_conf else None
-    return device, cap, Overheads(fragmentation=args.fragmentation, cuda_context=ctx,
-                                  alloc_conf=conf)
+    return AllocConf.parse(args.alloc_conf) if args.alloc_conf else None
+
+
+def _timeline_setup(args, point):
+    """Check ``--timeline`` before the (slow) trace: the file type, matplotlib, a point."""
+    if not getattr(args, "timeline", None):
+        return None
+    from .plots import FORMATS, _pyplot
+    if not args.timeline.lower().endswith(FORMATS):
+        raise UsageError(f"--timeline {args.timeline}: unknown file type",
+                         hint="end the name in " + ", ".join(FORMATS))
+    if point is None:
+        raise UsageError("--timeline needs a point", hint="give --at with every symbol, "
+                                                          "e.g. --at B=4,S=2048")
+    _pyplot()
+    return _alloc_conf(args)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -339,6 +362,7 @@ def run(argv: list[str] | None = None) -> int:
     _check_point(point, specs)
     hints = parse_assignments(args.hint, "--hint") if args.hint else None
     setup = _budget_setup(args, point)
+    timeline_conf = _timeline_setup(args, point)
     strategy = _strategy(args)
     if args.compiled:
         if set(strategy) - {"checkpoint"}:
@@ -370,6 +394,8 @@ def run(argv: list[str] | None = None) -> int:
         device, cap, overheads = setup
         budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
+    if getattr(args, "timeline", None):
+        _write_timeline(args, report, point, setup, timeline_conf)
     if args.json:
         print(json.dumps(to_json(shown, spoint, budget=budget, full=report), indent=2))
     elif fit:
@@ -380,6 +406,22 @@ def run(argv: list[str] | None = None) -> int:
     if budget is not None and (fit or getattr(args, "check", False)) and not budget.fits:
         return 1
     return 0
+
+
+def _write_timeline(args, report, point, setup, conf) -> None:
+    from memsim.analysis.budget import Overheads
+    from memsim.analysis.timeline import timeline
+    from .plots import save_timeline
+    if getattr(report, "fit", None) is not None:
+        raise UsageError("--timeline needs a traced step; this report's formulas are fitted "
+                         "(a symbol the model's code pins)",
+                         hint="give --at with the sizes you want drawn; memsim traces them")
+    overheads = setup[2] if setup is not None else Overheads()
+    family = setup[0].family if setup is not None and setup[0] is not None else "unknown"
+    ws = overheads.fixed(report.device, family)["cublas_workspace"]
+    tl = timeline(report, point, alloc_conf=conf, workspace=ws)
+    path = save_timeline(tl, args.timeline)
+    print(f"memsim: timeline of the {tl.step} step written to {path}", file=sys.stderr)
 
 
 def _checkpoint(args) -> int:

@@ -298,6 +298,7 @@ class Recorder(TorchDispatchMode):
     def mark(self, phase: Phase) -> None:
         """Start a new phase; remembers where the previous one ended."""
         self.run.phase_ends[self.phase] = len(self.run.events)
+        self.run.marks.append((phase, len(self.run.events)))
         self.phase = phase
 
     def finish(self) -> RunRecord:

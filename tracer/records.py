@@ -157,6 +157,7 @@ class RunRecord:
     ops: list = field(default_factory=list)  # OpRecord | LeafRecord, index == position
     start: int = 0                           # index into events where the measured step begins
     phase_ends: dict = field(default_factory=dict)  # Phase -> index into events at its end
+    marks: list = field(default_factory=list)       # (Phase, index into events) at each start
     other_ops: dict = field(default_factory=dict)   # op name -> count, ops outside aten/prims
     specialized: list = field(default_factory=list)  # (raw symbol, value, op, module, source)
     checkpoint_regions: int = 0   # --compiled: regions torch.compile recomputes (tagged)

@@ -49,6 +49,9 @@ class Measurement:
     # per module path (the root left out): the bytes of saved_activations that ops inside the
     # module (or its submodules) saved
     saved_by_module: dict = field(default_factory=dict)
+    # the live bytes after each change of the step (an allocation, a free or a resize of a
+    # non-empty storage), in order, from the state it starts in
+    series: list = field(default_factory=list)
 
 
 class _Counter(TorchDispatchMode):
@@ -292,6 +295,7 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
         fixed = state | {c.token_of(t) for t in list(model.buffers()) + [
             v for v in inputs.values() if isinstance(v, torch.Tensor)]}
         c.peak = c.cur
+        start = len(c.log.changes)
         opt.zero_grad(set_to_none=True)
         before = c.cur
         for _ in range(accumulate):
@@ -334,10 +338,15 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
     c.close()
     n = lambda ts: sum(t.untyped_storage().nbytes() for t in
                        {id(t.untyped_storage()): t for t in ts}.values())
+    cur, series = sum(d for _, d in c.log.changes[:start]), []
+    for _, d in c.log.changes[start:]:
+        if d:
+            cur += d
+            series.append(cur)
     return Measurement(c.peak, n(model.parameters()), n(grads),
                        n(states + ([scaler._scale, scaler._growth_tracker] if scaler else [])),
                        at_backward, saved_bytes, act_peak,
-                       {k: v for k, v in saved_by_module.items() if v})
+                       {k: v for k, v in saved_by_module.items() if v}, series)
 
 
 def measure_inference(model: torch.nn.Module, inputs: dict, precision: str = "32-true") -> int:

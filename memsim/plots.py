@@ -1,0 +1,144 @@
+"""Pictures of a step: the timeline (live memory over the step, stacked by category).
+
+Plotting is optional: matplotlib is imported only here, when a picture is asked for
+(``pip install 'memsim[plot]'``). The data comes from :mod:`memsim.analysis.timeline`; nothing
+here computes a figure of its own.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from pathlib import Path
+
+from memsim.tracer import UsageError
+
+# one colour per category, stable across pictures (matplotlib's tab10 order)
+COLORS = {"parameter": "#1f77b4", "gradient": "#ff7f0e", "optimizer_state": "#2ca02c",
+          "activation": "#d62728", "temporary": "#9467bd", "input": "#8c564b",
+          "buffer": "#e377c2", "strategy buffers": "#7f7f7f"}
+LABELS = {"optimizer_state": "optimizer states", "parameter": "parameters",
+          "gradient": "gradients", "activation": "activations (saved for backward)",
+          "temporary": "temporaries", "input": "inputs", "buffer": "buffers"}
+FORMATS = (".png", ".svg", ".pdf", ".html")
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("pictures need matplotlib, which is not installed",
+                         hint="pip install 'memsim[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _unit(peak: int) -> tuple[float, str]:
+    for div, name in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+        if peak >= div:
+            return float(div), name
+    return 1.0, "B"
+
+
+def _point(tl) -> str:
+    return ", ".join(f"{k}={v}" for k, v in tl.point.items()) or "-"
+
+
+def timeline_figure(tl):
+    """A matplotlib Figure of :class:`memsim.analysis.timeline.Timeline` ``tl``."""
+    plt = _pyplot()
+    div, unit = _unit(max(tl.peak, max(tl.reserved or [0])))
+    fig, ax = plt.subplots(figsize=(13, 5.5), layout="constrained")
+    x = list(range(len(tl.ops)))
+    names = list(tl.series)
+    ax.stackplot(x, *[[v / div for v in tl.series[c]] for c in names],
+                 labels=[LABELS.get(c, c) for c in names],
+                 colors=[COLORS.get(c, "#bcbd22") for c in names], step="post", alpha=0.9)
+    # the total as a line too: a one-event spike is thinner than a pixel in a long step
+    ax.step(x, [v / div for v in tl.totals], where="post", color="0.15", linewidth=0.6,
+            label="live in all")
+    if tl.reserved is not None:
+        ax.step(x, [v / div for v in tl.reserved], where="post", color="black",
+                linestyle="--", linewidth=1.2, label="reserved by the caching allocator")
+    top = max(tl.peak, max(tl.reserved or [0])) / div * 1.12
+    for k, (name, lo, hi) in enumerate(tl.phases):
+        if k % 2:
+            ax.axvspan(lo - 0.5, hi + 0.5, color="0.93", zorder=0)
+        ax.text((lo + hi) / 2, top * 0.985, name, ha="center", va="top", fontsize=8,
+                color="0.3")
+    if tl.peak_index >= 0:
+        ax.plot([tl.peak_index], [tl.peak / div], marker="v", color="black", markersize=8,
+                linestyle="none", zorder=5)
+        ax.annotate(f"peak {tl.peak / div:.3g} {unit}\n{tl.peak_where}",
+                    (tl.peak_index, tl.peak / div), xytext=(0.5, 0.90),
+                    textcoords="axes fraction", ha="center", va="top", fontsize=8,
+                    bbox={"boxstyle": "round", "fc": "white", "ec": "0.6"},
+                    arrowprops={"arrowstyle": "->", "color": "0.3"})
+    ax.set_ylim(0, top)
+    ax.set_xlim(-0.5, max(len(x) - 0.5, 0.5))
+    ax.set_xlabel("allocations and frees of the step, in order")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.set_title(f"{tl.step} step at {_point(tl)} on {tl.device} (predicted by memsim)",
+                 fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return fig
+
+
+def _human(n: int) -> str:
+    div, unit = _unit(n)
+    return f"{n / div:.2f} {unit}" if unit != "B" else f"{n} B"
+
+
+def timeline_html(tl, title: str = "memsim timeline") -> str:
+    """One self-contained HTML page: the picture (inline SVG) and what is live at the peak."""
+    plt = _pyplot()
+    fig = timeline_figure(tl)
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    plt.close(fig)
+    svg = buf.getvalue()
+    svg = svg[svg.index("<svg"):]
+    rows = "\n".join(
+        f"<tr><td>{html.escape(g.module)}</td><td>{html.escape(LABELS.get(g.category, g.category))}"
+        f"</td><td class=n>{g.count}</td><td class=n>{_human(g.bytes)}</td></tr>"
+        for g in tl.at_peak)
+    phases = "\n".join(f"<tr><td>{html.escape(n)}</td><td class=n>{lo}</td><td class=n>{hi}</td>"
+                       f"<td class=n>{_human(max(t for t in tl.totals[lo:hi + 1]))}</td></tr>"
+                       for n, lo, hi in tl.phases)
+    reserved = (f"<p>Reserved by the caching allocator (replayed): at most "
+                f"{_human(max(tl.reserved))}.</p>" if tl.reserved else "")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}
+table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:3px 8px}}
+td.n{{text-align:right}}svg{{max-width:100%;height:auto}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<p>{html.escape(tl.step)} step at {html.escape(_point(tl))} on {html.escape(tl.device)}: peak
+{_human(tl.peak)} at {html.escape(str(tl.peak_where))}. Predicted from the traced step, not
+measured.</p>{reserved}
+{svg}
+<h2>Live at the peak, by module and category</h2>
+<table><tr><th>module</th><th>category</th><th>tensors</th><th>bytes</th></tr>
+{rows}</table>
+<h2>Phases</h2>
+<table><tr><th>phase</th><th>first event</th><th>last event</th><th>most live</th></tr>
+{phases}</table>
+</body></html>
+"""
+
+
+def save_timeline(tl, path: str) -> Path:
+    """Write the timeline to ``path``: .png, .svg, .pdf (the picture) or .html (a page)."""
+    p = Path(path)
+    if p.suffix.lower() not in FORMATS:
+        raise UsageError(f"cannot write a timeline to {path!r}",
+                         hint="give a file ending in " + ", ".join(FORMATS))
+    if p.suffix.lower() == ".html":
+        p.write_text(timeline_html(tl), encoding="utf-8")
+        return p
+    plt = _pyplot()
+    fig = timeline_figure(tl)
+    fig.savefig(p)
+    plt.close(fig)
+    return p
