@@ -176,6 +176,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--range", metavar="S=LO:HI", dest="size_range",
                    help="with --plan optimal: the optimal plan for every size LO..HI of one "
                         "symbol (the other symbols from --at)")
+    m = sub.add_parser("compare", help="several configurations of one model side by side",
+                       description="Each --config is a set of analyze options (strategies, "
+                                   "precision, optimizer, loop) applied on top of the common "
+                                   "ones; the training step of every configuration at --at, "
+                                   "one table sorted by total (or peak), with the budget "
+                                   "against --gpu/--memory.")
+    _add_common(m)
+    m.add_argument("--config", action="append", default=[], dest="configs", metavar="OPTIONS",
+                   help="one configuration as analyze options, e.g. \"--fsdp --dp 8 "
+                        "--checkpoint blocks\" (repeat; at least one)")
+    m.add_argument("--inference", action="store_true", help="compare inference instead")
     sub.add_parser("gpus", help="list the GPU catalog")
     return p
 
@@ -347,6 +358,19 @@ def _timeline_setup(args, point):
 
 
 def run(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:
+        # a configuration is options itself ("--config --fsdp"): argparse would read its value
+        # as the next option, so each --config takes the next word whatever it is
+        joined, i = [], 0
+        while i < len(argv):
+            if argv[i] == "--config" and i + 1 < len(argv):
+                joined.append(f"--config={argv[i + 1]}")
+                i += 2
+            else:
+                joined.append(argv[i])
+                i += 1
+        argv = joined
     args = _parser().parse_args(argv)
     if args.cmd == "gpus":
         from .render import gpu_table
@@ -354,6 +378,32 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "checkpoint":
         return _checkpoint(args)
+    if args.cmd == "compare":
+        return _compare(args)
+    fit = args.cmd == "fit"
+    report, point, shown, spoint, budget, setup, timeline_conf = _analysis(args, fit)
+    if getattr(args, "timeline", None):
+        _write_timeline(args, report, point, setup, timeline_conf)
+    if args.json:
+        print(json.dumps(to_json(shown, spoint, budget=budget, full=report), indent=2))
+    elif fit:
+        print(budget_text(budget, report.device))
+    else:
+        print(to_text(shown, spoint, top=args.top, budget=budget, full=report, full_point=point,
+                      seq=args.seq_symbol, batch=args.batch_symbol))
+    if budget is not None and (fit or getattr(args, "check", False)) and not budget.fits:
+        return 1
+    return 0
+
+
+def _analysis(args, fit: bool = False):
+    """The analysis the options describe: ``(report, point, shown, shown_point, budget, setup,
+    timeline_conf)``; every option is checked before the (slow) trace."""
+    return _execute(args, _prepare(args), fit)
+
+
+def _prepare(args) -> dict:
+    """Every option checked, nothing traced yet."""
     if not args.input:
         raise UsageError("no --input given",
                          hint="name each tensor forward takes, e.g. --input input_ids=int64[B,S]")
@@ -371,7 +421,13 @@ def run(argv: list[str] | None = None) -> int:
                              hint="analyse the strategy without --compiled, or --compiled alone")
         hints = _compiled_hints(specs, point, hints)
     config = _config(args, hints)
-    fit = args.cmd == "fit"
+    return {"specs": specs, "point": point, "setup": setup, "timeline_conf": timeline_conf,
+            "strategy": strategy, "config": config}
+
+
+def _execute(args, prep: dict, fit: bool = False):
+    specs, point, setup = prep["specs"], prep["point"], prep["setup"]
+    strategy, config = prep["strategy"], prep["config"]
     model = load_target(args.target)
     from memsim.analysis import pinning_fixed
     from memsim.strategies import analyze as analyze_with
@@ -394,18 +450,74 @@ def run(argv: list[str] | None = None) -> int:
         device, cap, overheads = setup
         budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
-    if getattr(args, "timeline", None):
-        _write_timeline(args, report, point, setup, timeline_conf)
+    return report, point, shown, spoint, budget, setup, prep["timeline_conf"]
+
+
+# options a configuration of `memsim compare` may not set: the model, its inputs, the point and
+# the budget are the same for every configuration
+_SHARED = {"target", "input", "at", "gpu", "memory", "gpu_file", "json", "margin", "hint",
+           "batch_symbol", "seq_symbol", "compiled"}
+
+
+def _config_args(args, text: str) -> argparse.Namespace:
+    """``args`` with the options of one ``--config`` string applied on top."""
+    import copy
+    import shlex
+
+    p = argparse.ArgumentParser(prog="memsim compare --config", add_help=False,
+                                exit_on_error=False)
+    _add_common(p)
+    try:
+        tokens = shlex.split(text)
+        ns, rest = p.parse_known_args([args.target] + tokens)
+    except (ValueError, argparse.ArgumentError) as e:
+        raise UsageError(f"--config {text!r}: {e}",
+                         hint="a configuration is analyze options, e.g. "
+                              "--config \"--zero 3 --dp 8\"") from None
+    if rest:
+        raise UsageError(f"--config {text!r}: unknown option(s) {' '.join(rest)}",
+                         hint="see memsim analyze --help for the options")
+    defaults = vars(p.parse_args([args.target]))
+    changed = {k: v for k, v in vars(ns).items() if v != defaults.get(k)}
+    shared = sorted(set(changed) & _SHARED)
+    if shared:
+        raise UsageError(f"--config {text!r} sets {', '.join('--' + k.replace('_', '-') for k in shared)}",
+                         hint="the model, --input, --at and the budget are common to every "
+                              "configuration: give them once, outside --config")
+    out = copy.copy(args)
+    for k, v in changed.items():
+        setattr(out, k, v)
+    out.timeline = None
+    return out
+
+
+def _compare(args) -> int:
+    """``memsim compare``: the training step of each configuration side by side."""
+    from .render import compare_json, compare_text
+    if not args.configs:
+        raise UsageError("memsim compare needs --config", hint="e.g. --config \"--fsdp --dp 8\" "
+                         "--config \"--zero 3 --dp 8\"")
+    if args.at is None:
+        raise UsageError("memsim compare needs a point", hint="give --at with every symbol, "
+                                                               "e.g. --at B=4,S=2048")
+    prepared = []
+    for text in args.configs:   # every configuration checked before any trace
+        cargs = _config_args(args, text)
+        prepared.append((text, cargs, _prepare(cargs)))
+    rows = []
+    for text, cargs, prep in prepared:
+        try:
+            report, point, shown, spoint, budget, _, _ = _execute(cargs, prep, fit=True) \
+                if not args.inference else _execute(cargs, prep)
+            rows.append({"config": text, "report": report, "shown": shown, "point": spoint,
+                         "full_point": point, "budget": budget, "error": None})
+        except MemsimError as e:
+            rows.append({"config": text, "error": e})
     if args.json:
-        print(json.dumps(to_json(shown, spoint, budget=budget, full=report), indent=2))
-    elif fit:
-        print(budget_text(budget, report.device))
+        print(json.dumps(compare_json(rows, args), indent=2))
     else:
-        print(to_text(shown, spoint, top=args.top, budget=budget, full=report, full_point=point,
-                      seq=args.seq_symbol, batch=args.batch_symbol))
-    if budget is not None and (fit or getattr(args, "check", False)) and not budget.fits:
-        return 1
-    return 0
+        print(compare_text(rows, args))
+    return 2 if any(r["error"] is not None for r in rows) else 0
 
 
 def _write_timeline(args, report, point, setup, conf) -> None:

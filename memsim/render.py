@@ -485,3 +485,93 @@ def bands_text(bands, rng, budget, total: int) -> str:
     if end < hi:
         out.append(f"{name} = {end + 1}..{hi}: does not fit even with every block checkpointed")
     return "\n".join(out)
+
+
+# -- memsim compare ---------------------------------------------------------------------------
+
+_COMPARE_FIELDS = ("peak", "parameters", "gradients", "optimizer_states", "activation_peak")
+
+
+def _compare_figures(row) -> dict:
+    shown, pt = row["shown"], row["point"]
+    step = shown.train if shown.train is not None else shown.inference
+    fields = _COMPARE_FIELDS if shown.train is not None else ("peak",)
+    out = {f: (step.value("peak", pt) if f == "peak" else step.evaluate(getattr(step, f), pt))
+           for f in fields}
+    out["ranks_differ"] = bool(row["report"].ranks)
+    return out
+
+
+def _compare_order(rows) -> list:
+    def key(r):
+        if r["error"] is not None:
+            return (1, 0)
+        b = r["budget"]
+        return (0, b.total if b is not None else _compare_figures(r)["peak"])
+    return sorted(rows, key=key)
+
+
+def compare_json(rows, args) -> dict:
+    """``memsim compare --json`` (README, "Comparing configurations")."""
+    out = []
+    for r in _compare_order(rows):
+        if r["error"] is not None:
+            out.append({"config": r["config"], "error": str(r["error"])})
+            continue
+        out.append({"config": r["config"], "strategy": r["report"].strategy,
+                    "precision": r["report"].precision, "step": "train" if
+                    r["shown"].train is not None else "inference",
+                    "figures": _compare_figures(r),
+                    "budget": budget_json(r["budget"]) if r["budget"] is not None else None,
+                    "error": None})
+    return {"memsim": VERSION, "at": _point_of(rows), "gpu": args.gpu, "memory": args.memory,
+            "configs": out}
+
+
+def _point_of(rows):
+    for r in rows:
+        if r["error"] is None:
+            return {**r["report"].fixed, **(r["full_point"] or {})}
+    return None
+
+
+def compare_text(rows, args) -> str:
+    """One table, a row per configuration, sorted by total (or peak without a budget)."""
+    ordered = _compare_order(rows)
+    budgeted = any(r["error"] is None and r["budget"] is not None for r in rows)
+    head = ["configuration", "peak"]
+    if budgeted:
+        head += ["reserved", "total", "fits", "headroom", "max B", "max S"]
+    head += ["parameters", "gradients", "optimizer", "activations"]
+    table, notes = [], []
+    for r in ordered:
+        if r["error"] is not None:
+            table.append([r["config"], "error"] + [""] * (len(head) - 2))
+            notes.append(f"{r['config']}: {r['error']}")
+            continue
+        f = _compare_figures(r)
+        row = [(r["config"] or "(the common options)") + (" *" if f["ranks_differ"] else ""),
+               human(f["peak"])]
+        if budgeted:
+            b = r["budget"]
+            row += ([human(b.reserved) if b.reserved is not None else "-", human(b.total),
+                     "yes" if b.fits else "NO", f"{b.headroom:.1%}",
+                     b.max_batch if b.max_batch is not None else "-",
+                     b.max_seq if b.max_seq is not None else "-"] if b is not None else
+                    ["-"] * 6)
+        row += [human(f[k]) if k in f else "-" for k in ("parameters", "gradients",
+                                                          "optimizer_states",
+                                                          "activation_peak")]
+        table.append(row)
+    at = _point_of(rows)
+    what = "inference" if args.inference else "training step"
+    title = f"{what} per device at {', '.join(f'{k}={v}' for k, v in (at or {}).items())}"
+    if budgeted:
+        title += (f" against {args.gpu or args.memory} (fits: total <= "
+                  f"{1 - args.margin:.0%} of the capacity)")
+    out = [title, tabulate(table, headers=head, disable_numparse=True)]
+    if any(r["error"] is None and _compare_figures(r)["ranks_differ"] for r in rows):
+        out.append("* ranks differ: the figures are one rank's (memsim analyze ... --json "
+                   "lists every group of ranks)")
+    out += [f"error: {n}" for n in notes]
+    return "\n".join(out)
