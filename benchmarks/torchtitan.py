@@ -29,9 +29,9 @@ The FSDP1 rows of the table (23.58 / 32.14 and 50.35 / 63.90) are not compared: 
 models FSDP2, not FSDP1. Not measured here: no
 GPU. memsim's trace of the full plan equals real CPU runs of the same mechanisms
 (tests/test_widths.py, tests/test_checkpoint.py::test_blocks_plan_equals_hugging_faces_own_
-checkpointing); its trace of torch's SAC is not checked against a real run yet and is 12,288 B
-(0.8%) low on a small Llama at B 3, S 16 (a cached saved output is released earlier than in the
-real run), so the SAC row is an estimate.
+checkpointing), and so does its trace of torch's SAC with this policy (the CPU flash-attention
+kernel saved in place of the CUDA ones) on a small Llama
+(tests/test_checkpoint.py::test_selective_checkpointing_policy_real_run).
 
     python benchmarks/torchtitan.py [--layers 32]      # about 40 s on 2 cores
 """

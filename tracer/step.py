@@ -568,21 +568,7 @@ def _modes_in_recompute(recorder: Recorder | None = None):
 
         def context():
             fwd, rec = context_fn()
-            stack = contextlib.ExitStack()
-
-            @contextlib.contextmanager
-            def recompute():
-                depth = len(recorder.module_stack) if recorder is not None else 0
-                try:
-                    with rec, stack:
-                        for m in modes:
-                            stack.enter_context(m)
-                        yield
-                finally:
-                    if recorder is not None:
-                        del recorder.module_stack[depth:]
-
-            return fwd, recompute()
+            return fwd, _Recompute(rec, modes, recorder)
 
         return orig(fn, preserve_rng_state, context, *rest, **kwargs)
 
@@ -591,6 +577,48 @@ def _modes_in_recompute(recorder: Recorder | None = None):
         yield
     finally:
         ckpt._checkpoint_without_reentrant_generator = orig
+
+
+class _Recompute:
+    """The recomputation context of one checkpointed region: the context ``context_fn`` gave
+    (``rec``) with memsim's torch-function modes ``modes`` entered inside it, and
+    ``recorder.module_stack`` cut back to its depth at the start when it ends.
+
+    It holds ``rec`` as long as checkpoint holds it, as a real run does: ``recompute_fn``'s
+    closure keeps its context, so for as long as the region's ``_CheckpointFrame`` lives (until
+    backward has released every tensor the region saved). For selective checkpointing ``rec``
+    is ``_CachedTorchDispatchMode``, whose ``storage`` keeps the outputs the policy saved; the
+    recomputation stops early and never consumes the cached outputs backward does not need (a
+    region's last matmul, say), which stay until the frame dies. A generator context manager
+    (``contextlib.contextmanager``) would let go of ``rec`` when its generator finishes, right
+    after the recomputation, and free those outputs too soon. Reusable, as ``rec`` is: a second
+    backward (``retain_graph=True``) recomputes again."""
+
+    def __init__(self, rec, modes: list, recorder: Recorder | None):
+        self.rec = rec
+        self.modes = modes
+        self.recorder = recorder
+        self._open: list[tuple[contextlib.ExitStack, int]] = []
+
+    def __enter__(self):
+        depth = len(self.recorder.module_stack) if self.recorder is not None else 0
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(self.rec)
+            for m in self.modes:
+                stack.enter_context(m)
+        except BaseException:
+            stack.close()
+            raise
+        self._open.append((stack, depth))
+
+    def __exit__(self, *exc):
+        stack, depth = self._open.pop()
+        try:
+            return stack.__exit__(*exc)
+        finally:
+            if self.recorder is not None:
+                del self.recorder.module_stack[depth:]
 
 
 @contextlib.contextmanager
