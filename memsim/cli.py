@@ -154,6 +154,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--top", type=int, default=8, help="modules to list (default 8)")
     a.add_argument("--check", action="store_true",
                    help="exit 1 when the step does not fit --gpu/--memory (for CI)")
+    a.add_argument("--plot", metavar="FILE",
+                   help="draw the total against the batch and the sequence size (others at "
+                        "--at) with GPU capacities: FILE.png, .svg, .pdf or .html (needs "
+                        "matplotlib)")
     a.add_argument("--timeline", metavar="FILE",
                    help="draw the step's live memory over its allocations and frees, stacked "
                         "by category, at --at: FILE.html (a page), .png, .svg or .pdf (needs "
@@ -187,6 +191,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="one configuration as analyze options, e.g. \"--fsdp --dp 8 "
                         "--checkpoint blocks\" (repeat; at least one)")
     m.add_argument("--inference", action="store_true", help="compare inference instead")
+    m.add_argument("--plot", metavar="FILE",
+                   help="draw every configuration's total against the batch and the sequence "
+                        "size with GPU capacities: FILE.png, .svg, .pdf or .html")
     sub.add_parser("gpus", help="list the GPU catalog")
     return p
 
@@ -342,6 +349,52 @@ def _alloc_conf(args):
     return AllocConf.parse(args.alloc_conf) if args.alloc_conf else None
 
 
+def _plot_setup(args, point) -> None:
+    """Check ``--plot`` before the trace."""
+    if not getattr(args, "plot", None):
+        return
+    from .plots import FORMATS, _pyplot
+    if not args.plot.lower().endswith(FORMATS):
+        raise UsageError(f"--plot {args.plot}: unknown file type",
+                         hint="end the name in " + ", ".join(FORMATS))
+    if point is None:
+        raise UsageError("--plot needs a point", hint="give --at with every symbol, e.g. "
+                                                      "--at B=4,S=2048 (the sizes held fixed)")
+    _pyplot()
+
+
+def _write_plot(args, rows, setup) -> None:
+    """``--plot``: each row's (label, report, point) total against the batch and sequence."""
+    from memsim.analysis.gpus import GPU, catalog
+    from memsim.analysis.scaling import curve
+
+    from .plots import COMMON_GPUS, save_figure, scaling_figure
+    device, cap, overheads = setup if setup is not None else (None, None, None)
+    if device is not None:
+        caps = {device.name: device}
+    elif cap is not None:
+        caps = {args.memory: GPU("memory", args.memory, cap // 2 ** 20, "unknown",
+                                 source="--memory")}
+    else:
+        caps = {catalog()[k].name: catalog()[k] for k in COMMON_GPUS}
+    curves: dict = {}
+    for label, report, point in rows:
+        if getattr(report, "fit", None) is not None:
+            raise UsageError("--plot needs traced formulas; this report's are fitted",
+                             hint="analyse without --plot, or give the pinned symbol a size")
+        for sym in (args.batch_symbol, args.seq_symbol):
+            if sym in report.symbols and sym in point:
+                curves.setdefault(sym, []).append(
+                    curve(report, point, sym, label=label, capacities=caps, gpu=device,
+                          overheads=overheads, margin=args.margin))
+    if not curves:
+        raise UsageError(f"--plot draws against {args.batch_symbol} or {args.seq_symbol}, "
+                         "which no input uses",
+                         hint="name the symbols with --batch-symbol / --seq-symbol")
+    path = save_figure(scaling_figure(curves, caps, args.margin), args.plot)
+    print(f"memsim: memory against size written to {path}", file=sys.stderr)
+
+
 def _timeline_setup(args, point):
     """Check ``--timeline`` before the (slow) trace: the file type, matplotlib, a point."""
     if not getattr(args, "timeline", None):
@@ -384,6 +437,8 @@ def run(argv: list[str] | None = None) -> int:
     report, point, shown, spoint, budget, setup, timeline_conf = _analysis(args, fit)
     if getattr(args, "timeline", None):
         _write_timeline(args, report, point, setup, timeline_conf)
+    if getattr(args, "plot", None):
+        _write_plot(args, [("", report, point)], setup)
     if args.json:
         print(json.dumps(to_json(shown, spoint, budget=budget, full=report), indent=2))
     elif fit:
@@ -413,6 +468,7 @@ def _prepare(args) -> dict:
     hints = parse_assignments(args.hint, "--hint") if args.hint else None
     setup = _budget_setup(args, point)
     timeline_conf = _timeline_setup(args, point)
+    _plot_setup(args, point)
     strategy = _strategy(args)
     if args.compiled:
         if set(strategy) - {"checkpoint"}:
@@ -456,7 +512,7 @@ def _execute(args, prep: dict, fit: bool = False):
 # options a configuration of `memsim compare` may not set: the model, its inputs, the point and
 # the budget are the same for every configuration
 _SHARED = {"target", "input", "at", "gpu", "memory", "gpu_file", "json", "margin", "hint",
-           "batch_symbol", "seq_symbol", "compiled"}
+           "batch_symbol", "seq_symbol", "compiled", "plot", "timeline"}
 
 
 def _config_args(args, text: str) -> argparse.Namespace:
@@ -513,6 +569,9 @@ def _compare(args) -> int:
                          "full_point": point, "budget": budget, "error": None})
         except MemsimError as e:
             rows.append({"config": text, "error": e})
+    if args.plot:
+        _write_plot(args, [(r["config"] or "(the common options)", r["report"], r["full_point"])
+                           for r in rows if r["error"] is None], prepared[0][2]["setup"])
     if args.json:
         print(json.dumps(compare_json(rows, args), indent=2))
     else:

@@ -142,3 +142,86 @@ def save_timeline(tl, path: str) -> Path:
     fig.savefig(p)
     plt.close(fig)
     return p
+
+
+# -- memory against a size ----------------------------------------------------------------------
+
+# the capacities drawn when no --gpu is given: one card per common memory size
+COMMON_GPUS = ("rtx-4090", "a100-40gb", "h100-80gb", "h200")
+
+
+def scaling_figure(curves: dict, capacities: dict, margin: float):
+    """Total against each symbol (a subplot per symbol), one line per configuration, each
+    capacity's usable memory as a horizontal line, the largest fitting size of each
+    configuration marked on it, and where the peak's regime changes."""
+    plt = _pyplot()
+    syms = list(curves)
+    fig, axes = plt.subplots(1, len(syms), figsize=(6.5 * len(syms), 5), layout="constrained",
+                             squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, sym in zip(axes[0], syms):
+        peak = max(max(c.totals) for c in curves[sym])
+        top = max([peak] + [int(g.bytes * (1 - margin)) for g in capacities.values()])
+        div, unit = _unit(top)
+        for k, c in enumerate(curves[sym]):
+            col = colors[k % len(colors)]
+            ax.plot(c.sizes, [t / div for t in c.totals], marker="o", markersize=3, color=col,
+                    label=c.label or "total")
+            for v, where in c.regimes[1:]:
+                ax.axvline(v, color=col, linestyle=":", linewidth=0.8)
+                ax.text(v, peak / div * 0.02, f" {where.split(':')[0]} from {sym}={v}",
+                        rotation=90, fontsize=6, color=col, va="bottom")
+            for name, g in capacities.items():
+                got = c.fits.get(name)
+                if got:
+                    ax.plot([got], [g.bytes * (1 - margin) / div], marker="|", markersize=12,
+                            color=col)
+                    ax.annotate(f"{sym}<={got}", (got, g.bytes * (1 - margin) / div),
+                                xytext=(2, 3 + 9 * k), textcoords="offset points", fontsize=7,
+                                color=col)
+        for name, g in capacities.items():
+            y = g.bytes * (1 - margin) / div
+            ax.axhline(y, color="0.5", linestyle="--", linewidth=0.8)
+            ax.text(1.0, y, f" {name} ({1 - margin:.0%})", transform=ax.get_yaxis_transform(),
+                    fontsize=7, va="center", ha="left", color="0.3")
+        ax.set_xlim(0, max(max(c.sizes) for c in curves[sym]) * 1.05)
+        ax.set_xlabel(sym)
+        ax.set_ylabel(f"total per device ({unit})")
+        ax.set_ylim(0, top / div * 1.08)
+        ax.set_title(f"memory against {sym} (predicted by memsim)", fontsize=10)
+        ax.legend(fontsize=8, loc="upper left")
+    return fig
+
+
+def save_figure(fig, path: str) -> Path:
+    """Write a figure to .png/.svg/.pdf, or an .html page holding it as inline SVG."""
+    plt = _pyplot()
+    p = Path(path)
+    if p.suffix.lower() not in FORMATS:
+        raise UsageError(f"cannot write a picture to {path!r}",
+                         hint="give a file ending in " + ", ".join(FORMATS))
+    if p.suffix.lower() == ".html":
+        p.write_text(_page("memsim: memory against size", svg_of(fig)), encoding="utf-8")
+    else:
+        fig.savefig(p)
+    plt.close(fig)
+    return p
+
+
+def svg_of(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    text = buf.getvalue()
+    return text[text.index("<svg"):]
+
+
+def _page(title: str, body: str) -> str:
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>'
+            f'{html.escape(title)}</title><style>{_CSS}</style></head>\n<body><h1>'
+            f'{html.escape(title)}</h1>\n{body}\n</body></html>\n')
+
+
+_CSS = ("body{font-family:sans-serif;margin:2em;max-width:1300px}"
+        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
+        "padding:3px 8px}td.n{text-align:right}svg{max-width:100%;height:auto}"
+        "pre{background:#f6f6f6;padding:8px;overflow-x:auto}")
