@@ -158,6 +158,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="draw the total against the batch and the sequence size (others at "
                         "--at) with GPU capacities: FILE.png, .svg, .pdf or .html (needs "
                         "matplotlib)")
+    a.add_argument("--html", metavar="FILE",
+                   help="one self-contained HTML report at --at: the verdict, the timeline, "
+                        "memory against size, the tables and formulas (needs matplotlib)")
     a.add_argument("--timeline", metavar="FILE",
                    help="draw the step's live memory over its allocations and frees, stacked "
                         "by category, at --at: FILE.html (a page), .png, .svg or .pdf (needs "
@@ -363,12 +366,58 @@ def _plot_setup(args, point) -> None:
     _pyplot()
 
 
+def _html_setup(args, point) -> None:
+    """Check ``--html`` before the trace."""
+    if not getattr(args, "html", None):
+        return
+    from .plots import _pyplot
+    if not args.html.lower().endswith((".html", ".htm")):
+        raise UsageError(f"--html {args.html}: not an .html file", hint="e.g. --html report.html")
+    if point is None:
+        raise UsageError("--html needs a point", hint="give --at with every symbol, e.g. "
+                                                      "--at B=4,S=2048")
+    _pyplot()
+
+
+def _write_html(args, report, point, setup, text: str, budget) -> None:
+    from memsim.analysis.budget import Overheads
+    from memsim.analysis.timeline import timeline
+
+    from .plots import report_html, scaling_figure
+    tl = scaling = None
+    if getattr(report, "fit", None) is None:
+        overheads = setup[2] if setup is not None else Overheads()
+        family = setup[0].family if setup is not None and setup[0] is not None else "unknown"
+        tl = timeline(report, point, alloc_conf=_alloc_conf(args),
+                      workspace=overheads.fixed(report.device, family)["cublas_workspace"])
+        curves, caps = _curves(args, [("", report, point)], setup)
+        if curves:
+            scaling = scaling_figure(curves, caps, args.margin)
+    title = f"memsim: {args.target} at " + ", ".join(f"{k}={v}" for k, v in point.items())
+    with open(args.html, "w", encoding="utf-8") as f:
+        f.write(report_html(title, text, tl, scaling, budget))
+    print(f"memsim: report written to {args.html}", file=sys.stderr)
+
+
 def _write_plot(args, rows, setup) -> None:
     """``--plot``: each row's (label, report, point) total against the batch and sequence."""
+    from .plots import save_figure, scaling_figure
+    curves, caps = _curves(args, rows, setup)
+    if not curves:
+        raise UsageError(f"--plot draws against {args.batch_symbol} or {args.seq_symbol}, "
+                         "which no input uses",
+                         hint="name the symbols with --batch-symbol / --seq-symbol")
+    path = save_figure(scaling_figure(curves, caps, args.margin), args.plot)
+    print(f"memsim: memory against size written to {path}", file=sys.stderr)
+
+
+def _curves(args, rows, setup):
+    """Each row's ``(label, report, point)`` total against the batch and the sequence, and the
+    capacities drawn: ``({symbol: [Curve]}, {label: GPU})``."""
     from memsim.analysis.gpus import GPU, catalog
     from memsim.analysis.scaling import curve
 
-    from .plots import COMMON_GPUS, save_figure, scaling_figure
+    from .plots import COMMON_GPUS
     device, cap, overheads = setup if setup is not None else (None, None, None)
     if device is not None:
         caps = {device.name: device}
@@ -387,12 +436,7 @@ def _write_plot(args, rows, setup) -> None:
                 curves.setdefault(sym, []).append(
                     curve(report, point, sym, label=label, capacities=caps, gpu=device,
                           overheads=overheads, margin=args.margin))
-    if not curves:
-        raise UsageError(f"--plot draws against {args.batch_symbol} or {args.seq_symbol}, "
-                         "which no input uses",
-                         hint="name the symbols with --batch-symbol / --seq-symbol")
-    path = save_figure(scaling_figure(curves, caps, args.margin), args.plot)
-    print(f"memsim: memory against size written to {path}", file=sys.stderr)
+    return curves, caps
 
 
 def _timeline_setup(args, point):
@@ -439,13 +483,18 @@ def run(argv: list[str] | None = None) -> int:
         _write_timeline(args, report, point, setup, timeline_conf)
     if getattr(args, "plot", None):
         _write_plot(args, [("", report, point)], setup)
+    text = None
+    if not fit and (not args.json or getattr(args, "html", None)):
+        text = to_text(shown, spoint, top=args.top, budget=budget, full=report,
+                       full_point=point, seq=args.seq_symbol, batch=args.batch_symbol)
+    if getattr(args, "html", None):
+        _write_html(args, report, point, setup, text, budget)
     if args.json:
         print(json.dumps(to_json(shown, spoint, budget=budget, full=report), indent=2))
     elif fit:
         print(budget_text(budget, report.device))
     else:
-        print(to_text(shown, spoint, top=args.top, budget=budget, full=report, full_point=point,
-                      seq=args.seq_symbol, batch=args.batch_symbol))
+        print(text)
     if budget is not None and (fit or getattr(args, "check", False)) and not budget.fits:
         return 1
     return 0
@@ -469,6 +518,7 @@ def _prepare(args) -> dict:
     setup = _budget_setup(args, point)
     timeline_conf = _timeline_setup(args, point)
     _plot_setup(args, point)
+    _html_setup(args, point)
     strategy = _strategy(args)
     if args.compiled:
         if set(strategy) - {"checkpoint"}:
@@ -512,7 +562,7 @@ def _execute(args, prep: dict, fit: bool = False):
 # options a configuration of `memsim compare` may not set: the model, its inputs, the point and
 # the budget are the same for every configuration
 _SHARED = {"target", "input", "at", "gpu", "memory", "gpu_file", "json", "margin", "hint",
-           "batch_symbol", "seq_symbol", "compiled", "plot", "timeline"}
+           "batch_symbol", "seq_symbol", "compiled", "plot", "timeline", "html"}
 
 
 def _config_args(args, text: str) -> argparse.Namespace:

@@ -225,3 +225,40 @@ _CSS = ("body{font-family:sans-serif;margin:2em;max-width:1300px}"
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
         "padding:3px 8px}td.n{text-align:right}svg{max-width:100%;height:auto}"
         "pre{background:#f6f6f6;padding:8px;overflow-x:auto}")
+
+
+# -- the whole report as one page -------------------------------------------------------------
+
+def report_html(title: str, text: str, tl=None, scaling=None, budget=None) -> str:
+    """One self-contained page (no external resource): the verdict, the timeline and the
+    memory-against-size pictures as inline SVG, what is live at the peak by module, and the
+    full text report (every table, the approximate and the exact formulas, the notes)."""
+    plt = _pyplot()
+    parts = []
+    if budget is not None:
+        verdict = "FITS" if budget.fits else "DOES NOT FIT"
+        where = budget.gpu.name if budget.gpu else _human(budget.capacity)
+        reserved = (f", {_human(budget.reserved)} reserved by the caching allocator"
+                    if budget.reserved is not None else "")
+        parts.append(f'<p class=verdict><b>{verdict}</b> on {html.escape(where)}: total '
+                     f'{_human(budget.total)}{reserved}; headroom {budget.headroom:.1%}'
+                     + (f"; largest batch {budget.max_batch}" if budget.max_batch is not None
+                        else "")
+                     + (f"; largest sequence {budget.max_seq}" if budget.max_seq is not None
+                        else "") + ".</p>")
+    if tl is not None:
+        fig = timeline_figure(tl)
+        parts.append("<h2>The step, allocation by allocation</h2>\n" + svg_of(fig))
+        plt.close(fig)
+        rows = "\n".join(
+            f"<tr><td>{html.escape(g.module)}</td><td>{html.escape(LABELS.get(g.category, g.category))}"
+            f"</td><td class=n>{g.count}</td><td class=n>{_human(g.bytes)}</td></tr>"
+            for g in tl.at_peak)
+        parts.append(f"<h3>Live at the peak ({html.escape(str(tl.peak_where))}), by module and "
+                     "category</h3>\n<table><tr><th>module</th><th>category</th><th>tensors"
+                     f"</th><th>bytes</th></tr>\n{rows}</table>")
+    if scaling is not None:
+        parts.append("<h2>Memory against size</h2>\n" + svg_of(scaling))
+        plt.close(scaling)
+    parts.append("<h2>The report</h2>\n<pre>" + html.escape(text) + "</pre>")
+    return _page(title, "\n".join(parts))

@@ -46,6 +46,71 @@ def formula(expr: sympy.Expr) -> str:
     return sympy.sstr(expr, order="grlex")
 
 
+_UNITS = ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB"))
+
+
+def _amount(c: float) -> str:
+    for div, unit in _UNITS:
+        if abs(c) >= div:
+            return f"{c / div:.3g} {unit}"
+    return f"{c:.3g} bytes"
+
+
+def _monomial(m: sympy.Expr) -> str:
+    if m == 1:
+        return ""
+    parts = []
+    for base, exp in sorted(m.as_powers_dict().items(), key=lambda be: str(be[0])):
+        name = str(base)
+        parts.append(name if exp == 1 else f"{name}^{exp}")
+    return "·" + "·".join(parts)
+
+
+def approx(expr: sympy.Expr, point: dict[str, int] | None = None,
+           symbols: dict | None = None) -> str:
+    """A short, approximate form of a byte formula: the allocator's 512-byte rounding
+    (``ceiling``) and integer divisions (``floor``) dropped, each term's coefficient in the
+    largest binary unit below it, largest degree first (``1.5 MiB·B·S + 474 MiB``). A ``Max`` of
+    regimes shows the regime that is the peak at ``point`` (or the count of regimes).
+
+    >>> B, S = sympy.symbols("B S", positive=True, integer=True)
+    >>> approx(512 * sympy.ceiling(3 * B * S / 2) + 3 * 2 ** 20 * B * S + 497664000)
+    '3 MiB·B·S + 475 MiB'
+    >>> approx(sympy.Max(10 * B * S**2, 2**30 + 24 * B))
+    'max(24 bytes·B + 1 GiB, 10 bytes·B·S^2)'
+    """
+    expr = sympy.sympify(expr)
+    if isinstance(expr, sympy.Max):
+        if point is not None and symbols:
+            subs = {symbols[n]: v for n, v in point.items() if n in symbols}
+            win = max(expr.args, key=lambda a: int(sympy.sympify(a).xreplace(subs)))
+            return f"{approx(win)} (largest of {len(expr.args)} regimes here)"
+        if len(expr.args) <= 2:
+            return "max(" + ", ".join(approx(a) for a in expr.args) + ")"
+        return f"max of {len(expr.args)} regimes"
+    plain = expr.replace(sympy.ceiling, lambda a: a).replace(sympy.floor, lambda a: a)
+    terms = sympy.expand(plain).as_coefficients_dict()
+    if not terms:
+        return "0 B"
+    ordered = sorted(terms.items(), key=lambda mc: (-sympy.Poly(mc[0]).total_degree()
+                                                     if mc[0] != 1 else 1, -abs(float(mc[1]))))
+    out = []
+    for m, c in ordered:
+        if c == 0:
+            continue
+        text = _amount(float(c)) + _monomial(m)
+        out.append(text if not out else (" - " + text[1:] if text.startswith("-")
+                                         else " + " + text))
+    return "".join(out) or "0 B"
+
+
+def _wrapped(name: str, expr: sympy.Expr, width: int = 100) -> str:
+    """``name = formula`` wrapped to ``width`` columns (a Max of many regimes summarised)."""
+    import textwrap
+    return textwrap.fill(f"  {name} = {short(expr)}", width=width, break_on_hyphens=False,
+                         subsequent_indent=" " * 6)
+
+
 def short(expr: sympy.Expr) -> str:
     """A formula for a table cell: a Max of many regimes is summarised."""
     if isinstance(expr, sympy.Max) and len(expr.args) > 2:
@@ -323,9 +388,11 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
         for f in TRAIN_FIELDS:
             expr = getattr(t, f)
             val = t.evaluate(expr, point) if point else None
-            rows.append([LABELS[f], short(expr)] + _at(point, human(val)))
+            rows.append([LABELS[f], approx(expr, point, t.trace.symbols)] + _at(point, human(val)))
         out += ["", "Training step",
-                tabulate(rows, headers=["", "formula (bytes)"] + _at(point, "at point"))]
+                tabulate(rows, headers=["", "formula, approximately (exact below)"]
+                         + _at(point, "at point"))]
+        exact = [(LABELS[f], getattr(t, f)) for f in TRAIN_FIELDS]
         changes = {n: t.regimes(n, point) for n in report.symbols} if point else {}
         shown, win = t.candidates, None
         if point:
@@ -336,13 +403,14 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
             rows = []
             for c in shown:
                 val = t.evaluate(c.expr, point) if point else None
-                rows.append(["*" if c is win else "", formula(c.expr), str(c.label)]
+                rows.append(["*" if c is win else "", approx(c.expr), str(c.label)]
                             + _at(point, human(val)))
             more = len(t.candidates) - len(shown)
             out += ["", f"Peak regimes: the peak is the largest of {len(t.candidates)} "
                         "candidates" + (f"; the {len(shown)} that are largest along some "
                                         "symbol from this point are shown" if more else ""),
-                    tabulate(rows, headers=["", "bytes", "reached at"] + _at(point, "at point"))]
+                    tabulate(rows, headers=["", "bytes, approximately", "reached at"]
+                             + _at(point, "at point"))]
         if point:
             for n, ch in changes.items():
                 if len(ch) > 1:
@@ -353,12 +421,16 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
             out += ["", f"Live at the peak ({win.label})",
                     tabulate(rows + [["total", human(sum(bd.values()))]],
                              headers=["category", "bytes"])]
+        out += ["", "Exact formulas (bytes; 512*ceiling(n/512) is the CUDA allocator's "
+                    "512-byte rounding)"] + [_wrapped(name, e) for name, e in exact]
     if report.inference is not None:
         i = report.inference
         val = i.evaluate(i.peak, point) if point else None
         out += ["", "Inference (eval, no_grad)",
-                tabulate([["peak", short(i.peak)] + _at(point, human(val))],
-                         headers=["", "formula (bytes)"] + _at(point, "at point"))]
+                tabulate([["peak", approx(i.peak, point, i.trace.symbols)]
+                          + _at(point, human(val))],
+                         headers=["", "formula, approximately"] + _at(point, "at point")),
+                _wrapped("peak (exact)", i.peak)]
     if report.modules:
         step = report.train
         rows = []
@@ -367,9 +439,9 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
         if point:
             mods.sort(key=lambda mv: -mv[1])
         for m, val in mods[:top]:
-            rows.append([m.path, m.type, formula(m.saved)] + _at(point, human(val)))
+            rows.append([m.path, m.type, approx(m.saved)] + _at(point, human(val)))
         out += ["", f"Top modules by bytes saved for backward (inclusive; top {top})",
-                tabulate(rows, headers=["module", "type", "saved (bytes)"]
+                tabulate(rows, headers=["module", "type", "saved, approximately"]
                          + _at(point, "at point"))]
     if report.other_ops:
         out += ["", "Ops outside ATen (memory from their fake kernels, not checked against a "
