@@ -91,6 +91,8 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="micro-batches per optimizer step (gradient accumulation, default 1)")
     a.add_argument("--json", action="store_true", help="print the JSON document")
+    a.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (shown for traces over 2 s, never with --json)")
     a.add_argument("--compiled", action="store_true",
                    help="the step under torch.compile(model, fullgraph=True): what Inductor's "
                         "partitioner saves for backward, and its fusion (see README)")
@@ -469,6 +471,55 @@ def run(argv: list[str] | None = None) -> int:
                 i += 1
         argv = joined
     args = _parser().parse_args(argv)
+    if args.cmd != "gpus" and not (args.quiet or args.json):
+        from memsim.tracer.progress import listening
+        shown = _Progress()
+        try:
+            with listening(shown):
+                return _run(args)
+        finally:
+            shown.close()
+    return _run(args)
+
+
+# progress appears once a trace has run this long, then at most this often off a terminal (s)
+_PROGRESS_AFTER = 2.0
+_PROGRESS_EVERY = 5.0
+
+
+class _Progress:
+    """The tracer's progress on stderr: one line rewritten on a terminal, else a line every
+    5 s; nothing for the first couple of seconds."""
+
+    def __init__(self):
+        import time
+        self.clock = time.monotonic
+        self.start = self.clock()
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+        self.shown = False
+
+    def __call__(self, phase, module=None, index=None, count=None):
+        now = self.clock()
+        if now - self.start < _PROGRESS_AFTER or now - self.last < (
+                0.2 if self.tty else _PROGRESS_EVERY):
+            return
+        self.last = now
+        msg = f"tracing {phase}" + (f": {module} / {count}" if module is not None else "")
+        if self.tty:
+            sys.stderr.write("\r\033[K" + msg)
+            sys.stderr.flush()
+        else:
+            print(f"memsim: {msg}", file=sys.stderr)
+        self.shown = True
+
+    def close(self):
+        if self.tty and self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def _run(args) -> int:
     if args.cmd == "gpus":
         from .render import gpu_table
         print(gpu_table())

@@ -60,3 +60,40 @@ def test_package_module_target(capsys):
                  "--device", "cpu", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["train"]["parameters"]["bytes"] == 4 * (16 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4)
+
+
+STACK = '''
+import torch.nn as nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x.sum()
+'''
+
+
+def test_progress_on_stderr(tmp_path, capsys, monkeypatch):
+    """The phase and the block of a repeated stack on stderr (after 2 s of tracing, here made
+    immediate); nothing with --quiet or --json, whose stdout stays the JSON document."""
+    import memsim.cli as cli
+    monkeypatch.setattr(cli, "_PROGRESS_AFTER", 0.0)
+    monkeypatch.setattr(cli, "_PROGRESS_EVERY", 0.0)
+    f = tmp_path / "stack.py"
+    f.write_text(STACK)
+    argv = ["analyze", f"{f}:Stack", "--input", "x=float32[B,8]", "--device", "cpu", "--train"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for line in ("memsim: tracing forward: layers.0 / 3", "memsim: tracing forward: layers.2 / 3",
+                 "memsim: tracing backward", "memsim: tracing optimizer"):
+        assert line in err.splitlines()
+    assert main(argv + ["--quiet"]) == 0
+    assert "tracing" not in capsys.readouterr().err
+    assert main(argv + ["--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "tracing" not in err and json.loads(out)["train"]

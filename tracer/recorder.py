@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from . import progress
 from .records import Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage, TensorMeta
 from .rules import Kind, keys, lookup, register
 
@@ -300,6 +301,7 @@ class Recorder(TorchDispatchMode):
         self.run.phase_ends[self.phase] = len(self.run.events)
         self.run.marks.append((phase, len(self.run.events)))
         self.phase = phase
+        progress.report(phase.value)
 
     def finish(self) -> RunRecord:
         self.run.phase_ends[self.phase] = len(self.run.events)

@@ -39,6 +39,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from . import kernels  # noqa: F401  (registers the built-in rules)
+from . import progress
 from .errors import (
     DataDependentError,
     InputError,
@@ -119,8 +120,12 @@ def module_tracking(model: torch.nn.Module, recorder: Recorder):
     names = {}
     for name, mod in model.named_modules(remove_duplicate=False):
         names.setdefault(id(mod), name)
+    stacked = progress.blocks(model)
 
     def pre(mod, args):
+        got = stacked.get(id(mod))
+        if got is not None:
+            progress.report(recorder.phase.value, got[0], got[1], got[2])
         # a module outside the model (a wrapper built inside forward, such as transformers'
         # hub-kernel ``Func``) is charged to the model's module that called it
         name = names.get(id(mod))
