@@ -37,7 +37,8 @@ in PyTorch 2.13 (the release memsim targets), restated here (the function named 
   ``map_block``], and releasing unmaps whole free pages [``unmap_block``].
 
 Not modelled: CUDA graphs' private pools, ``record_stream`` (its events delay a free until the
-other stream's work ends: memsim's traced strategies do not call it), ``garbage_collection_
+other stream's work ends: FSDP2 does not call it; DeepSpeed does on CUDA, not on the CPU path
+memsim traces), ``garbage_collection_
 threshold`` (acts only with ``set_per_process_memory_fraction``; refused by :meth:`AllocConf.
 parse`), and where ``cudaMalloc`` places a segment (addresses here increase; they only break ties
 between free blocks of equal size).
