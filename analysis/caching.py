@@ -123,21 +123,25 @@ class AllocConf:
             except ValueError:
                 raise bad(f"{tok!r} is not a number") from None
 
+        def tok(j: int, key: str) -> str:
+            """Token ``j``; running out of them means ``key`` lacks its value."""
+            if j >= len(toks):
+                raise bad(f"{key!r} has no value")
+            return toks[j]
+
         while i < len(toks):
             key = toks[i]
-            if i + 2 >= len(toks) + 0 and (i + 1 >= len(toks) or toks[i + 1] != ":"):
-                raise bad(f"{key!r} has no value")
-            if toks[i + 1] != ":":
+            if tok(i + 1, key) != ":":
                 raise bad(f"expected ':' after {key!r}")
             i += 2
             if key == "roundup_power2_divisions":
                 divs = [0] * ROUNDUP_INTERVALS
-                if toks[i] == "[":
+                if tok(i, key) == "[":
                     i += 1
                     last = 0
                     while i < len(toks) and toks[i] != "]":
-                        lo, val = toks[i], number(toks[i + 2])
-                        if toks[i + 1] != ":" or not _pow2(val):
+                        lo, val = toks[i], number(tok(i + 2, key))
+                        if tok(i + 1, key) != ":" or not _pow2(val):
                             raise bad("roundup_power2_divisions takes [size_mb:divisions,...] "
                                       "with power-of-2 divisions")
                         if lo == ">":
@@ -158,14 +162,14 @@ class AllocConf:
                         raise bad("unclosed '['")
                     i += 1
                 else:
-                    val = number(toks[i])
+                    val = number(tok(i, key))
                     if not _pow2(val):
                         raise bad("roundup_power2_divisions must be a power of 2")
                     divs = [val] * ROUNDUP_INTERVALS
                     i += 1
                 kw["roundup_power2_divisions"] = tuple(divs)
             else:
-                val = toks[i]
+                val = tok(i, key)
                 i += 1
                 if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
                     kw[key] = number(val)

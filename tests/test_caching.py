@@ -205,6 +205,8 @@ def test_expandable_small_pool_pages_are_2_mib():
     ("nosuchkey:1", "unknown option 'nosuchkey'"),
     ("roundup_power2_divisions:3", "power of 2"),
     ("max_split_size_mb", "has no value"),
+    ("max_split_size_mb:", "has no value"),
+    ("roundup_power2_divisions:[256:", "has no value"),
     ("backend:cudaMallocAsync", "native caching allocator"),
 ])
 def test_alloc_conf_errors_name_the_option(text, match):
