@@ -32,6 +32,7 @@ import sympy
 from memsim.tracer import Category, Phase
 
 from .caching import AllocConf, AllocatorOOM, CachingAllocator
+from .memory import _live_at
 
 
 @dataclass(frozen=True)
@@ -123,29 +124,32 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
         if b is not None:
             alloc.free(b)
 
+    def added_at_start() -> None:
+        for k, (n, at, _free) in enumerate(added):
+            if at <= run.start:
+                take(("a", k), n)
+
+    def steady(i: int) -> None:
+        """Before event ``i`` of the measured step's walk: measure from its start, and record
+        the reserved bytes after each of its events."""
+        if i == run.start:
+            state["measure"] = True
+        elif record is not None and i > run.start:
+            record.append(alloc.reserved)
+
     try:
         if run.warmed:  # warm-up steps traced: the measured step follows them in the run
             take(("ws",), workspace)
-            for k, (n, at, _free) in enumerate(added):
-                if at <= run.start:
-                    take(("a", k), n)
-
-            def measure_from_start(i):
-                if i == run.start:
-                    state["measure"] = True
-                if record is not None and i > run.start:
-                    record.append(alloc.reserved)
+            added_at_start()
             walk_events(run, 0, nbytes, take, drop, lambda k: k, added, moved, keep, {},
-                        before=measure_from_start)
+                        before=steady)
         else:
             live0 = _live_at(run, run.start)
             states = {sid for sid in live0 if run.storages[sid].category in
                       (Category.OPTIMIZER_STATE, Category.GRADIENT)}
             for sid in sorted(live0 - states):
                 take(("s", sid), nbytes[sid], run.storages[sid].stream)
-            for k, (n, at, _free) in enumerate(added):
-                if at <= run.start:
-                    take(("a", k), n)
+            added_at_start()
             take(("ws",), workspace)
             opt_at = run.phase_ends.get(Phase.BACKWARD) if trace.train else None
             lazy = sorted(sid for sid in states
@@ -169,15 +173,10 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
             for key in [k for k in held if k[0] == "s"
                         and k not in alias.values() and made_in_step(k[1])]:
                 drop(key)  # the previous step's outputs and loss, rebound by the loop
-            state["measure"] = True
             renamed = {}
-
-            def after_each(i):
-                if record is not None and i > run.start:
-                    record.append(alloc.reserved)
             walk_events(run, run.start, nbytes, take, drop,
                         lambda k: alias.get(k, renamed.get(k, k)), added, moved, keep, renamed,
-                        before=after_each, fresh=True)
+                        before=steady, fresh=True)
     except AllocatorOOM as e:
         return Reserved(alloc.peak_reserved, alloc.peak_allocated, alloc.reserved,
                         alloc.largest_free(), workspace, alloc.segments, alloc.retries,
@@ -277,10 +276,3 @@ def sizes_at(run, device: str, subs: dict) -> list:
             cache[e] = v
         out.append(v)
     return out
-
-
-def _live_at(run, upto: int) -> set[int]:
-    live: set[int] = set()
-    for ev in run.events[:upto]:
-        (live.add if ev.sign > 0 else live.discard)(ev.sid)
-    return live
