@@ -37,3 +37,14 @@ def block_bytes(nbytes: sympy.Expr, device: str) -> sympy.Expr:
     if nbytes.is_zero:
         return sympy.Integer(0)
     return CUDA_BLOCK * sympy.ceiling(nbytes / CUDA_BLOCK)
+
+
+def block_bytes_of(nbytes: int, device: str) -> int:
+    """:func:`block_bytes` of a size already evaluated at a point (plain integers).
+
+    >>> block_bytes_of(1000, "cuda"), block_bytes_of(0, "cuda"), block_bytes_of(1000, "cpu")
+    (1024, 0, 1000)
+    """
+    if device != "cuda" or nbytes == 0:
+        return nbytes
+    return CUDA_BLOCK * -(-nbytes // CUDA_BLOCK)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from memsim.tracer import Category
 
+from .allocator import block_bytes_of
 from .caching import AllocConf
 from .memory import PeakPoint, _label, _live_at
 from .reserved import replay, sizes_at, timeline_edit, walk_events
@@ -59,6 +60,8 @@ class Timeline:
         What is live at the peak, by module and category, largest first.
     reserved : list of int or None
         The caching allocator's reserved bytes after each event (CUDA), else None.
+    totals : list of int
+        Live bytes in all categories after each event.
     """
 
     step: str
@@ -72,18 +75,7 @@ class Timeline:
     peak_where: PeakPoint
     at_peak: list[LiveGroup] = field(default_factory=list)
     reserved: list[int] | None = None
-
-    @property
-    def totals(self) -> list[int]:
-        cols = list(self.series.values())
-        return [sum(c[j] for c in cols) for j in range(len(self.ops))]
-
-    def as_dict(self) -> dict:
-        return {"step": self.step, "point": dict(self.point), "device": self.device,
-                "series": {k: list(v) for k, v in self.series.items()}, "ops": list(self.ops),
-                "phases": [list(p) for p in self.phases], "peak": self.peak,
-                "peak_index": self.peak_index, "peak_where": str(self.peak_where),
-                "at_peak": [vars(g) for g in self.at_peak], "reserved": self.reserved}
+    totals: list[int] = field(default_factory=list)
 
 
 def timeline(report, point: dict[str, int], *, step: str | None = None,
@@ -98,7 +90,7 @@ def timeline(report, point: dict[str, int], *, step: str | None = None,
     run, dev = trace.run, trace.device
     subs = {trace.symbols[n]: v for n, v in pt.items() if n in trace.symbols}
     raw = sizes_at(run, dev, subs)
-    charged = [None if n is None else _charge(n, dev) for n in raw]
+    charged = [None if n is None else block_bytes_of(n, dev) for n in raw]
     added, moved, keep = timeline_edit(sm, subs)
 
     def cat_of(key) -> str:
@@ -110,7 +102,7 @@ def timeline(report, point: dict[str, int], *, step: str | None = None,
     def take(key, n, stream=0):
         if not n:
             return
-        b = charged[key[1]] if key[0] == "s" else _charge(n, dev)
+        b = charged[key[1]] if key[0] == "s" else block_bytes_of(n, dev)
         live[key] = b
         sums[cat_of(key)] = sums.get(cat_of(key), 0) + b
 
@@ -166,13 +158,7 @@ def timeline(report, point: dict[str, int], *, step: str | None = None,
         replay(sm, pt, conf=alloc_conf, workspace=workspace, record=rec)
         reserved = rec[:n] if len(rec) >= n else None
     return Timeline(name, dict(pt), dev, series, ops, phases, peak, peak_index, where,
-                    at_peak, reserved)
-
-
-def _charge(n: int, device: str) -> int:
-    if device != "cuda" or n == 0:
-        return n
-    return -(-n // 512) * 512
+                    at_peak, reserved, totals)
 
 
 def _phases(run, snapshots: list[int]) -> list[tuple[str, int, int]]:
