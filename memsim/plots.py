@@ -90,58 +90,45 @@ def _human(n: int) -> str:
     return f"{n / div:.2f} {unit}" if unit != "B" else f"{n} B"
 
 
-def timeline_html(tl, title: str = "memsim timeline") -> str:
-    """One self-contained HTML page: the picture (inline SVG) and what is live at the peak."""
-    plt = _pyplot()
-    fig = timeline_figure(tl)
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg")
-    plt.close(fig)
-    svg = buf.getvalue()
-    svg = svg[svg.index("<svg"):]
+def _at_peak_table(tl, heading: str) -> str:
+    """What is live at the timeline's peak, by module and category, as an HTML table."""
     rows = "\n".join(
         f"<tr><td>{html.escape(g.module)}</td><td>{html.escape(LABELS.get(g.category, g.category))}"
         f"</td><td class=n>{g.count}</td><td class=n>{_human(g.bytes)}</td></tr>"
         for g in tl.at_peak)
+    return (f"{heading}\n<table><tr><th>module</th><th>category</th><th>tensors</th>"
+            f"<th>bytes</th></tr>\n{rows}</table>")
+
+
+def timeline_html(tl, title: str = "memsim timeline") -> str:
+    """One self-contained HTML page: the picture (inline SVG), what is live at the peak and
+    the phases."""
+    plt = _pyplot()
+    fig = timeline_figure(tl)
+    svg = svg_of(fig)
+    plt.close(fig)
     phases = "\n".join(f"<tr><td>{html.escape(n)}</td><td class=n>{lo}</td><td class=n>{hi}</td>"
-                       f"<td class=n>{_human(max(t for t in tl.totals[lo:hi + 1]))}</td></tr>"
+                       f"<td class=n>{_human(max(tl.totals[lo:hi + 1]))}</td></tr>"
                        for n, lo, hi in tl.phases)
     reserved = (f"<p>Reserved by the caching allocator (replayed): at most "
                 f"{_human(max(tl.reserved))}.</p>" if tl.reserved else "")
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}
-table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:3px 8px}}
-td.n{{text-align:right}}svg{{max-width:100%;height:auto}}</style></head>
-<body><h1>{html.escape(title)}</h1>
-<p>{html.escape(tl.step)} step at {html.escape(_point(tl))} on {html.escape(tl.device)}: peak
-{_human(tl.peak)} at {html.escape(str(tl.peak_where))}. Predicted from the traced step, not
-measured.</p>{reserved}
+    return _page(title, f"""<p>{html.escape(tl.step)} step at {html.escape(_point(tl))} on \
+{html.escape(tl.device)}: peak {_human(tl.peak)} at {html.escape(str(tl.peak_where))}. Predicted \
+from the traced step, not measured.</p>{reserved}
 {svg}
-<h2>Live at the peak, by module and category</h2>
-<table><tr><th>module</th><th>category</th><th>tensors</th><th>bytes</th></tr>
-{rows}</table>
+{_at_peak_table(tl, "<h2>Live at the peak, by module and category</h2>")}
 <h2>Phases</h2>
 <table><tr><th>phase</th><th>first event</th><th>last event</th><th>most live</th></tr>
-{phases}</table>
-</body></html>
-"""
+{phases}</table>""")
 
 
 def save_timeline(tl, path: str) -> Path:
     """Write the timeline to ``path``: .png, .svg, .pdf (the picture) or .html (a page)."""
-    p = Path(path)
-    if p.suffix.lower() not in FORMATS:
-        raise UsageError(f"cannot write a timeline to {path!r}",
-                         hint="give a file ending in " + ", ".join(FORMATS))
-    if p.suffix.lower() == ".html":
+    if Path(path).suffix.lower() == ".html":
+        p = Path(path)
         p.write_text(timeline_html(tl), encoding="utf-8")
         return p
-    plt = _pyplot()
-    fig = timeline_figure(tl)
-    fig.savefig(p)
-    plt.close(fig)
-    return p
+    return save_figure(timeline_figure(tl), path)
 
 
 # -- memory against a size ----------------------------------------------------------------------
@@ -250,13 +237,9 @@ def report_html(title: str, text: str, tl=None, scaling=None, budget=None) -> st
         fig = timeline_figure(tl)
         parts.append("<h2>The step, allocation by allocation</h2>\n" + svg_of(fig))
         plt.close(fig)
-        rows = "\n".join(
-            f"<tr><td>{html.escape(g.module)}</td><td>{html.escape(LABELS.get(g.category, g.category))}"
-            f"</td><td class=n>{g.count}</td><td class=n>{_human(g.bytes)}</td></tr>"
-            for g in tl.at_peak)
-        parts.append(f"<h3>Live at the peak ({html.escape(str(tl.peak_where))}), by module and "
-                     "category</h3>\n<table><tr><th>module</th><th>category</th><th>tensors"
-                     f"</th><th>bytes</th></tr>\n{rows}</table>")
+        parts.append(_at_peak_table(
+            tl, f"<h3>Live at the peak ({html.escape(str(tl.peak_where))}), by module and "
+                "category</h3>"))
     if scaling is not None:
         parts.append("<h2>Memory against size</h2>\n" + svg_of(scaling))
         plt.close(scaling)
