@@ -354,44 +354,41 @@ def _alloc_conf(args):
     return AllocConf.parse(args.alloc_conf) if args.alloc_conf else None
 
 
-def _plot_setup(args, point) -> None:
-    """Check ``--plot`` before the trace."""
-    if not getattr(args, "plot", None):
-        return
+def _file_option(args, option: str, point, suffixes=None, wrong: str = "unknown file type",
+                 hint: str | None = None) -> bool:
+    """Check a picture option (``--timeline``, ``--plot``, ``--html``) before the trace: the
+    file type, a point, matplotlib. False when the option is not given."""
+    path = getattr(args, option, None)
+    if not path:
+        return False
     from .plots import FORMATS, _pyplot
-    if not args.plot.lower().endswith(FORMATS):
-        raise UsageError(f"--plot {args.plot}: unknown file type",
-                         hint="end the name in " + ", ".join(FORMATS))
+    suffixes = suffixes or FORMATS
+    if not path.lower().endswith(suffixes):
+        raise UsageError(f"--{option} {path}: {wrong}",
+                         hint=hint or "end the name in " + ", ".join(suffixes))
     if point is None:
-        raise UsageError("--plot needs a point", hint="give --at with every symbol, e.g. "
-                                                      "--at B=4,S=2048 (the sizes held fixed)")
+        raise UsageError(f"--{option} needs a point", hint="give --at with every symbol, e.g. "
+                                                             "--at B=4,S=2048")
     _pyplot()
+    return True
 
 
-def _html_setup(args, point) -> None:
-    """Check ``--html`` before the trace."""
-    if not getattr(args, "html", None):
-        return
-    from .plots import _pyplot
-    if not args.html.lower().endswith((".html", ".htm")):
-        raise UsageError(f"--html {args.html}: not an .html file", hint="e.g. --html report.html")
-    if point is None:
-        raise UsageError("--html needs a point", hint="give --at with every symbol, e.g. "
-                                                      "--at B=4,S=2048")
-    _pyplot()
+def _workspace(report, setup) -> int:
+    """The cuBLAS workspace the budget counts: its GPU's family's, or a generic GPU's."""
+    from memsim.analysis.budget import Overheads
+    overheads = setup[2] if setup is not None else Overheads()
+    family = setup[0].family if setup is not None and setup[0] is not None else "unknown"
+    return overheads.fixed(report.device, family)["cublas_workspace"]
 
 
 def _write_html(args, report, point, setup, text: str, budget) -> None:
-    from memsim.analysis.budget import Overheads
     from memsim.analysis.timeline import timeline
 
     from .plots import report_html, scaling_figure
     tl = scaling = None
     if getattr(report, "fit", None) is None:
-        overheads = setup[2] if setup is not None else Overheads()
-        family = setup[0].family if setup is not None and setup[0] is not None else "unknown"
         tl = timeline(report, point, alloc_conf=_alloc_conf(args),
-                      workspace=overheads.fixed(report.device, family)["cublas_workspace"])
+                      workspace=_workspace(report, setup))
         curves, caps = _curves(args, [("", report, point)], setup)
         if curves:
             scaling = scaling_figure(curves, caps, args.margin)
@@ -439,21 +436,6 @@ def _curves(args, rows, setup):
                     curve(report, point, sym, label=label, capacities=caps, gpu=device,
                           overheads=overheads, margin=args.margin))
     return curves, caps
-
-
-def _timeline_setup(args, point):
-    """Check ``--timeline`` before the (slow) trace: the file type, matplotlib, a point."""
-    if not getattr(args, "timeline", None):
-        return None
-    from .plots import FORMATS, _pyplot
-    if not args.timeline.lower().endswith(FORMATS):
-        raise UsageError(f"--timeline {args.timeline}: unknown file type",
-                         hint="end the name in " + ", ".join(FORMATS))
-    if point is None:
-        raise UsageError("--timeline needs a point", hint="give --at with every symbol, "
-                                                          "e.g. --at B=4,S=2048")
-    _pyplot()
-    return _alloc_conf(args)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -529,9 +511,9 @@ def _run(args) -> int:
     if args.cmd == "compare":
         return _compare(args)
     fit = args.cmd == "fit"
-    report, point, shown, spoint, budget, setup, timeline_conf = _analysis(args, fit)
+    report, point, shown, spoint, budget, setup = _analysis(args, fit)
     if getattr(args, "timeline", None):
-        _write_timeline(args, report, point, setup, timeline_conf)
+        _write_timeline(args, report, point, setup)
     if getattr(args, "plot", None):
         _write_plot(args, [("", report, point)], setup)
     text = None
@@ -552,8 +534,8 @@ def _run(args) -> int:
 
 
 def _analysis(args, fit: bool = False):
-    """The analysis the options describe: ``(report, point, shown, shown_point, budget, setup,
-    timeline_conf)``; every option is checked before the (slow) trace."""
+    """The analysis the options describe: ``(report, point, shown, shown_point, budget,
+    setup)``; every option is checked before the (slow) trace."""
     return _execute(args, _prepare(args), fit)
 
 
@@ -567,9 +549,11 @@ def _prepare(args) -> dict:
     _check_point(point, specs)
     hints = parse_assignments(args.hint, "--hint") if args.hint else None
     setup = _budget_setup(args, point)
-    timeline_conf = _timeline_setup(args, point)
-    _plot_setup(args, point)
-    _html_setup(args, point)
+    drawn = [_file_option(args, "timeline", point), _file_option(args, "plot", point),
+             _file_option(args, "html", point, (".html", ".htm"), "not an .html file",
+                          "e.g. --html report.html")]
+    if drawn[0] or drawn[2]:
+        _alloc_conf(args)   # the timeline's reserved line: its settings checked now
     strategy = _strategy(args)
     if args.compiled:
         if set(strategy) - {"checkpoint"}:
@@ -578,8 +562,8 @@ def _prepare(args) -> dict:
                              hint="analyse the strategy without --compiled, or --compiled alone")
         hints = _compiled_hints(specs, point, hints)
     config = _config(args, hints)
-    return {"specs": specs, "point": point, "setup": setup, "timeline_conf": timeline_conf,
-            "strategy": strategy, "config": config}
+    return {"specs": specs, "point": point, "setup": setup, "strategy": strategy,
+            "config": config}
 
 
 def _execute(args, prep: dict, fit: bool = False):
@@ -607,7 +591,7 @@ def _execute(args, prep: dict, fit: bool = False):
         device, cap, overheads = setup
         budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
-    return report, point, shown, spoint, budget, setup, prep["timeline_conf"]
+    return report, point, shown, spoint, budget, setup
 
 
 # options a configuration of `memsim compare` may not set: the model, its inputs, the point and
@@ -664,7 +648,7 @@ def _compare(args) -> int:
     rows = []
     for text, cargs, prep in prepared:
         try:
-            report, point, shown, spoint, budget, _, _ = _execute(cargs, prep, fit=True) \
+            report, point, shown, spoint, budget, _ = _execute(cargs, prep, fit=True) \
                 if not args.inference else _execute(cargs, prep)
             rows.append({"config": text, "report": report, "shown": shown, "point": spoint,
                          "full_point": point, "budget": budget, "error": None})
@@ -680,18 +664,15 @@ def _compare(args) -> int:
     return 2 if any(r["error"] is not None for r in rows) else 0
 
 
-def _write_timeline(args, report, point, setup, conf) -> None:
-    from memsim.analysis.budget import Overheads
+def _write_timeline(args, report, point, setup) -> None:
     from memsim.analysis.timeline import timeline
     from .plots import save_timeline
     if getattr(report, "fit", None) is not None:
         raise UsageError("--timeline needs a traced step; this report's formulas are fitted "
                          "(a symbol the model's code pins)",
                          hint="give --at with the sizes you want drawn; memsim traces them")
-    overheads = setup[2] if setup is not None else Overheads()
-    family = setup[0].family if setup is not None and setup[0] is not None else "unknown"
-    ws = overheads.fixed(report.device, family)["cublas_workspace"]
-    tl = timeline(report, point, alloc_conf=conf, workspace=ws)
+    tl = timeline(report, point, alloc_conf=_alloc_conf(args),
+                  workspace=_workspace(report, setup))
     path = save_timeline(tl, args.timeline)
     print(f"memsim: timeline of the {tl.step} step written to {path}", file=sys.stderr)
 
