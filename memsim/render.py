@@ -575,25 +575,29 @@ def _compare_figures(row) -> dict:
 
 
 def _compare_order(rows) -> list:
-    def key(r):
-        if r["error"] is not None:
+    """``(row, its figures or None)`` sorted by total (or peak), failed rows last; each row's
+    figures evaluated once."""
+    pairs = [(r, None if r["error"] is not None else _compare_figures(r)) for r in rows]
+
+    def key(pair):
+        r, f = pair
+        if f is None:
             return (1, 0)
-        b = r["budget"]
-        return (0, b.total if b is not None else _compare_figures(r)["peak"])
-    return sorted(rows, key=key)
+        return (0, r["budget"].total if r["budget"] is not None else f["peak"])
+    return sorted(pairs, key=key)
 
 
 def compare_json(rows, args) -> dict:
     """``memsim compare --json`` (README, "Comparing configurations")."""
     out = []
-    for r in _compare_order(rows):
-        if r["error"] is not None:
+    for r, f in _compare_order(rows):
+        if f is None:
             out.append({"config": r["config"], "error": str(r["error"])})
             continue
         out.append({"config": r["config"], "strategy": r["report"].strategy,
                     "precision": r["report"].precision, "step": "train" if
                     r["shown"].train is not None else "inference",
-                    "figures": _compare_figures(r),
+                    "figures": f,
                     "budget": budget_json(r["budget"]) if r["budget"] is not None else None,
                     "error": None})
     return {"memsim": VERSION, "at": _point_of(rows), "gpu": args.gpu, "memory": args.memory,
@@ -616,12 +620,11 @@ def compare_text(rows, args) -> str:
         head += ["reserved", "total", "fits", "headroom", "max B", "max S"]
     head += ["parameters", "gradients", "optimizer", "activations"]
     table, notes = [], []
-    for r in ordered:
-        if r["error"] is not None:
+    for r, f in ordered:
+        if f is None:
             table.append([r["config"], "error"] + [""] * (len(head) - 2))
             notes.append(f"{r['config']}: {r['error']}")
             continue
-        f = _compare_figures(r)
         row = [(r["config"] or "(the common options)") + (" *" if f["ranks_differ"] else ""),
                human(f["peak"])]
         if budgeted:
@@ -642,7 +645,7 @@ def compare_text(rows, args) -> str:
         title += (f" against {args.gpu or args.memory} (fits: total <= "
                   f"{1 - args.margin:.0%} of the capacity)")
     out = [title, tabulate(table, headers=head, disable_numparse=True)]
-    if any(r["error"] is None and _compare_figures(r)["ranks_differ"] for r in rows):
+    if any(f is not None and f["ranks_differ"] for _, f in ordered):
         out.append("* ranks differ: the figures are one rank's (memsim analyze ... --json "
                    "lists every group of ranks)")
     out += [f"error: {n}" for n in notes]
