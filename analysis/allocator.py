@@ -30,7 +30,8 @@ CUDA_BLOCK = 512
 
 @lru_cache(maxsize=65536)
 def block_bytes(nbytes: sympy.Expr, device: str) -> sympy.Expr:
-    """Bytes the allocator of ``device`` charges for a storage of ``nbytes``."""
+    """Bytes the allocator of ``device`` charges for a storage of ``nbytes`` (remembered: a
+    run of repeated blocks has a few thousand distinct sizes among its storages)."""
     nbytes = sympy.sympify(nbytes)
     if device != "cuda":
         return nbytes

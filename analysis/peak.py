@@ -16,10 +16,12 @@ unevaluated ``Max`` whose arguments are the distinct regimes of the peak.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import sympy
 
 from .search import last_true
@@ -27,11 +29,14 @@ from .search import last_true
 
 @dataclass(frozen=True)
 class Candidate:
-    """A possible peak: its bytes (sympy), the event index where it is reached, and a label."""
+    """A possible peak: its bytes (sympy), the event index where it is reached, and a label.
+    ``terms``: ``expr`` as ``{monomial: coefficient}`` where known (the running sum's own;
+    saves expanding ``expr`` again)."""
 
     expr: sympy.Expr
     event: int
     label: object
+    terms: dict | None = field(default=None, compare=False, repr=False)
 
 
 class PolyBasis:
@@ -78,7 +83,8 @@ def running_peaks(events: Iterable, size: Callable[[int], dict | None], basis: P
         key = frozenset((m, c) for m, c in cur.items() if c)
         if key not in seen:
             seen.add(key)
-            out.append(Candidate(basis.expr(dict(key)), i, label(i)))
+            terms = dict(key)
+            out.append(Candidate(basis.expr(terms), i, label(i), terms))
 
     for i, (sign, sid) in enumerate(events):
         if i == start:
@@ -160,7 +166,7 @@ def prune(cands: list[Candidate], symbols: Sequence[sympy.Symbol],
         lo: dict = {}
         hi: dict = {}
         bounded = True
-        for m, v in basis.coeffs(c.expr).items():
+        for m, v in (c.terms if c.terms is not None else basis.coeffs(c.expr)).items():
             if m not in cache:
                 cache[m] = _shift_monomial(m, low)
             for mm, k in cache[m].items():
@@ -194,20 +200,47 @@ def prune(cands: list[Candidate], symbols: Sequence[sympy.Symbol],
     order = sorted(range(len(cands)), key=lambda i: (
         -sum(lvec[i] if lvec[i] is not None else vecs[i]), cands[i].event))
 
-    def dominates(a: int, b: int) -> bool:
-        if all((x == y) if e else (x >= y) for x, y, e in zip(vecs[a], vecs[b], exact)):
-            return True
-        if not (has_atoms[a] or has_atoms[b]) or lvec[a] is None or hvec[b] is None:
-            return False
-        return all(x >= y for x, y in zip(lvec[a], hvec[b]))
+    # a dominates b: every shifted coefficient of a is >= b's (equal on atoms), or a's lower
+    # bound is >= b's upper bound where atoms are involved; as integer arrays (fractions
+    # scaled to one denominator), each candidate checked against all kept ones at once
+    vm = _scaled(vecs, len(keys))
+    lm, hm = _scaled(lvec + hvec, len(bkeys)).reshape(2, len(cands), len(bkeys))
+    ex = np.array(exact, dtype=bool)
+    atoms = np.array(has_atoms, dtype=bool)
+    lok = np.array([v is not None for v in lvec], dtype=bool)
+    hok = np.array([v is not None for v in hvec], dtype=bool)
 
-    kept: list[int] = []
+    def beats(a, b) -> np.ndarray:
+        """Whether each of ``a`` dominates each of ``b`` (one side a single index)."""
+        va, vb = vm[a], vm[b]
+        first = np.where(ex, va == vb, va >= vb).all(axis=-1)
+        second = (atoms[a] | atoms[b]) & lok[a] & hok[b] & (lm[a] >= hm[b]).all(axis=-1)
+        return first | second
+
+    kept = np.empty(0, dtype=np.int64)
     for i in order:
-        if any(dominates(k, i) for k in kept):
-            continue
-        kept = [k for k in kept if not dominates(i, k)] + [i]
+        if kept.size:
+            if beats(kept, i).any():
+                continue
+            kept = kept[~beats(i, kept)]
+        kept = np.append(kept, i)
+    kept = [int(k) for k in kept]
     kept.sort(key=lambda i: cands[i].event)
     return [cands[i] for i in kept]
+
+
+def _scaled(rows: list, width: int) -> np.ndarray:
+    """Rows of ints and fractions (None: zeros) as one integer array, all multiplied by the
+    least common denominator (Python ints where they would not fit in int64)."""
+    den = 1
+    for r in rows:
+        for x in r or ():
+            if isinstance(x, Fraction):
+                den = math.lcm(den, x.denominator)
+    ints = [[int(x * den) for x in r] if r is not None else [0] * width for r in rows]
+    big = max((abs(x) for r in ints for x in r), default=0)
+    arr = np.array(ints, dtype=np.int64 if big < 2 ** 62 else object)
+    return arr.reshape(len(rows), width)
 
 
 def exact_function(expr: sympy.Expr, symbols: Sequence[sympy.Symbol]) -> Callable[..., int]:

@@ -387,7 +387,9 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
         raise InputError("nothing to analyse: both train and inference are off")
     first = tr_step or inf_step
     report = Report(config, first.trace.symbols, tr_step, inf_step, tuple(modules), other,
-                    fixed=dict(fixed or {}), notes=tuple(_compiled_notes(config, first)),
+                    fixed=dict(fixed or {}), notes=tuple(_compiled_notes(config, first)) + tuple(
+                        dict.fromkeys(s.trace.folded.describe() for s in (tr_step, inf_step)
+                                      if s is not None and s.trace.folded is not None)),
                     retracer=Retracer(analyze, model, inputs, config, dict(
                         train=train, inference=inference, transform=transform, driver=driver)))
     return cross_guards(report) if explore else report

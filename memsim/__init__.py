@@ -23,13 +23,34 @@ if _os.path.isfile(_os.path.join(_ROOT, "tracer", "__init__.py")) and _ROOT not 
     __path__.append(_ROOT)
 
 from memsim._version import __version__  # noqa: E402
-from memsim.analysis import FittedReport, Report, StepMemory  # noqa: E402
-from memsim.strategies import (  # noqa: E402
-    DDP, FSDP, Checkpoint, LoRA, QLoRA, Strategy, StrategyReport, TensorParallel, ZeRO, analyze)
-from memsim.tracer import (  # noqa: E402
-    Category, DataDependentError, Device, InputError, Loop, MemsimError, OutOfRangeError,
-    Precision, SpecializationError, StepConfig, StrategyError, TraceError, UnsupportedOpError,
-    UsageError, trace)
+
+# The public API is imported on first use (PEP 562): the command line answers a repeated
+# command from its cache without importing torch (memsim.entry).
+_EXPORTS = {
+    "memsim.analysis": ("FittedReport", "Report", "StepMemory"),
+    "memsim.strategies": ("DDP", "FSDP", "Checkpoint", "LoRA", "QLoRA", "Strategy",
+                          "StrategyReport", "TensorParallel", "ZeRO", "analyze"),
+    "memsim.tracer": ("Category", "DataDependentError", "Device", "InputError", "Loop",
+                      "MemsimError", "OutOfRangeError", "Precision", "SpecializationError",
+                      "StepConfig", "StrategyError", "TraceError", "UnsupportedOpError",
+                      "UsageError", "trace"),
+}
+_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name):
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'memsim' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = ["__version__", "analyze", "trace", "StepConfig", "Device", "Precision", "Loop",
            "Report", "FittedReport", "StrategyReport", "StepMemory", "Category", "Strategy", "LoRA", "QLoRA",

@@ -96,6 +96,11 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--compiled", action="store_true",
                    help="the step under torch.compile(model, fullgraph=True): what Inductor's "
                         "partitioner saves for backward, and its fusion (see README)")
+    a.add_argument("--no-fold", action="store_true",
+                   help="trace every block of a repeated stack (by default a few are traced "
+                        "and the rest derived, proven on the model itself; see README)")
+    a.add_argument("--no-cache", action="store_true",
+                   help="trace again instead of answering from the on-disk cache")
     b = a.add_argument_group("budget (against a GPU)")
     b.add_argument("--gpu", metavar="NAME", help="a catalog GPU, e.g. h100-80gb (see 'memsim gpus')")
     b.add_argument("--memory", metavar="SIZE", help="any capacity instead, e.g. 24GiB or 80GB")
@@ -207,7 +212,8 @@ def _config(args, hints=None) -> StepConfig:
     """The step the options describe, validated once, before any trace."""
     return StepConfig(device=args.device, precision=args.precision, optimizer=args.optimizer,
                       accumulate=args.accumulate, compiled=args.compiled, hints=hints or {},
-                      loop=Loop.DROP if args.drop_outputs else Loop.KEEP)
+                      loop=Loop.DROP if args.drop_outputs else Loop.KEEP,
+                      fold=not args.no_fold)
 
 
 def _check_point(point: dict[str, int] | None, specs, option: str = "--at") -> None:
@@ -597,7 +603,8 @@ def _execute(args, prep: dict, fit: bool = False):
 # options a configuration of `memsim compare` may not set: the model, its inputs, the point and
 # the budget are the same for every configuration
 _SHARED = {"target", "input", "at", "gpu", "memory", "gpu_file", "json", "margin", "hint",
-           "batch_symbol", "seq_symbol", "compiled", "plot", "timeline", "html"}
+           "batch_symbol", "seq_symbol", "compiled", "plot", "timeline", "html", "no_fold",
+           "no_cache"}
 
 
 def _config_args(args, text: str) -> argparse.Namespace:

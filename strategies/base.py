@@ -168,6 +168,11 @@ class Plan:
         def apply(model: torch.nn.Module) -> None:
             for fn in fns:
                 fn(model, rank)
+        # the module paths the entries treat one by one (None: unknown), so that a stack of
+        # blocks is folded only where they treat every block alike (memsim.tracer.fold)
+        paths = [getattr(fn, "paths", ()) for fn in fns]
+        apply.paths = None if any(p is None for p in paths) else tuple(
+            x for p in paths for x in p)
         return apply
 
 

@@ -90,8 +90,15 @@ class Checkpoint(Strategy):
         if getattr(getattr(plan.model, "config", None), "use_cache", None) is True:
             notes = ("checkpointing a Hugging Face model: its KV cache is off (use_cache=False), "
                      "as its own gradient checkpointing sets it in training",)
-        return plan.but(inside={"checkpoint": lambda model, rank: apply_checkpointing(
-            model, paths)}, notes=notes)
+        _check_paths(plan.model, paths)
+
+        def inside(model, rank):
+            # a model whose stack of blocks is cut short (memsim.tracer.fold) lacks the
+            # blocks past the cut: the plan is applied to those it has
+            mods = dict(model.named_modules())
+            apply_checkpointing(model, [p for p in paths if p in mods])
+        inside.paths = tuple(paths)
+        return plan.but(inside={"checkpoint": inside}, notes=notes)
 
 
 def blocks(model: torch.nn.Module) -> list[str]:
@@ -136,6 +143,16 @@ def named_plan(model: torch.nn.Module, plan: str) -> list[str]:
     raise UsageError(f"unknown plan {plan!r}", hint=f"use one of {', '.join(PLANS)}")
 
 
+def _check_paths(model: torch.nn.Module, plan: list[str]) -> None:
+    names = [n for n, _ in model.named_modules()]
+    known = set(names)
+    for path in plan:
+        if path not in known:
+            close = closest(path, names, n=3)
+            raise InputError(f"plan names module {path!r}, which the model does not have",
+                             hint="close: " + ", ".join(close) if close else None)
+
+
 def apply_checkpointing(model: torch.nn.Module, plan: list[str]) -> torch.nn.Module:
     """Wrap the ``forward`` of each module in ``plan`` with non-reentrant
     ``torch.utils.checkpoint`` (in place; returns the model). Paste-able for real training.
@@ -147,12 +164,9 @@ def apply_checkpointing(model: torch.nn.Module, plan: list[str]) -> torch.nn.Mod
     projections and the concatenated keys and values, 16*B*S*hidden bytes per bf16 layer) to
     the end of backward. Llama-2-7B, FSDP2 on 8 ranks, B 8, S 2048: 49.30 GiB with the cache,
     20.64 without."""
+    _check_paths(model, plan)
     mods = dict(model.named_modules())
     for path in plan:
-        if path not in mods:
-            close = closest(path, list(mods), n=3)
-            raise InputError(f"plan names module {path!r}, which the model does not have",
-                             hint="close: " + ", ".join(close) if close else None)
         mod = mods[path]
         if getattr(mod.forward, "_memsim_checkpointed", False):
             continue

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from memsim.tracer import StrategyError
+from memsim.tracer import MemsimError, StrategyError
 from memsim.tracer.records import Word
 
 from .base import Ranks, Strategy, exclusive, register_strategy
@@ -166,7 +166,10 @@ def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):
     notes: tuple = (note,)
     if fsdp is not None and plan.config.device.value == "cuda":
         notes += (CUDA_FSDP_NOTE,)
-    return plan.but(inside={"sharding": lambda model, rank: transform(fsdp, tp, rank)(model)},
+    def inside(model, rank):
+        transform(fsdp, tp, rank)(model)
+    inside.paths = _tp_paths(plan.model, tp)
+    return plan.but(inside={"sharding": inside},
                     ranks=Ranks(world=world, classes=classes, by_sizes=by_sizes),
                     notes=notes)
 
@@ -424,6 +427,17 @@ def _gather_style():
             return module
 
     return GatherSequence
+
+
+def _tp_paths(model: torch.nn.Module, tp: TensorParallel | None) -> tuple | None:
+    """The modules a tensor-parallel plan shards one by one (None where the plan does not
+    resolve on the model: the trace reports why)."""
+    if tp is None or tp.tp <= 1:
+        return ()
+    try:
+        return tuple(tp_plan(model, tp))
+    except MemsimError:
+        return None
 
 
 # -- the transform ------------------------------------------------------------------------------

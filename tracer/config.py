@@ -93,6 +93,9 @@ class StepConfig:
         when the trace starts).
     limits : mapping of str to int
         Upper bounds the model imposes on symbols (Hugging Face limits are found on their own).
+    fold : bool
+        Trace a few blocks of a repeated stack and derive the rest, proven on the model itself
+        (:mod:`memsim.tracer.fold`); False traces every block.
     """
 
     device: Device = Device.CUDA
@@ -104,6 +107,7 @@ class StepConfig:
     compiled: bool = False
     hints: Mapping[str, int] = field(default_factory=dict)
     limits: Mapping[str, int] = field(default_factory=dict)
+    fold: bool = True
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen)
@@ -121,13 +125,14 @@ class StepConfig:
             raise InputError(f"accumulate={self.accumulate!r} must be an int >= 1",
                              hint="micro-batches per optimizer step")
         put("compiled", bool(self.compiled))
+        put("fold", bool(self.fold))
         put("hints", _sizes(self.hints, "hints"))
         put("limits", _sizes(self.limits, "limits"))
 
     def __hash__(self) -> int:
         return hash((self.device, self.precision, self.optimizer, self.loss_fn, self.loop,
                      self.accumulate, self.compiled, tuple(sorted(self.hints.items())),
-                     tuple(sorted(self.limits.items()))))
+                     tuple(sorted(self.limits.items())), self.fold))
 
     @property
     def keep_outputs(self) -> bool:

@@ -114,6 +114,8 @@ class Recorder(TorchDispatchMode):
         self.scalar_hook = None  # a Driver's answer to .item() (tracer.kernels)
         self.host_device = None  # a Driver's host device: storages there are host memory
         self._checked = keys(Kind.NAMESPACE)  # op namespaces checked against real runs
+        # autograd sequence number -> module whose forward created that node
+        self._node_module: dict[int, str] = {}
 
     # -- storages -------------------------------------------------------------------------------
     @property
@@ -176,6 +178,7 @@ class Recorder(TorchDispatchMode):
             sid=nsid, nbytes=new, device=old.device, alloc=self.time, phase=self.phase,
             module=self.module, op="resize_", category=old.category, stream=self._stream()))
         self.run.events.append(Event(+1, nsid, self.time))
+        self.run.resized[nsid] = sid
         for key, val in self._live.items():
             if val == sid:
                 self._live[key] = nsid
@@ -253,6 +256,12 @@ class Recorder(TorchDispatchMode):
         sid = self.sid_of(t)
         if sid is not None:
             self.run.storages[sid].device = "host"
+
+    def own(self, t: torch.Tensor, name: str | None) -> None:
+        """``t``'s storage is the state (or gradient) of parameter ``name``."""
+        sid = self.sid_of(t)
+        if sid is not None and name is not None:
+            self.run.owners[sid] = name
 
     def set_category(self, t: torch.Tensor, category: Category) -> None:
         sid = self.sid_of(t)
@@ -343,6 +352,11 @@ class Recorder(TorchDispatchMode):
             return NotImplemented
         name = str(func)
         self.current_op = name
+        if self.module_stack:
+            # autograd numbers a node before the op below it runs: the number last taken is
+            # this op's node, where it makes one (else an earlier op's, already mapped)
+            self._node_module.setdefault(torch._C._autograd._get_sequence_nr() - 1,
+                                         self.module_stack[-1])
         rule = lookup(Kind.ATEN, func, self.device)
         inputs = tuple(self._input_index(t) for t in flat_in)
         if rule is not None:
@@ -377,10 +391,12 @@ class Recorder(TorchDispatchMode):
         self._record(name, tuple(self._input_index(t) for t in inputs), out, 0)
 
     def _record(self, name: str, inputs: tuple, out, flops) -> None:
-        node = None
+        node = origin = None
         if self.phase is Phase.BACKWARD:
             n = torch._C._current_autograd_node()
-            node = n.name() if n is not None else None
+            if n is not None:
+                node = n.name()
+                origin = self._node_module.get(n._sequence_nr())
         metas = []
         idx = len(self.run.ops)
         for t in tree_flatten(out)[0]:
@@ -389,7 +405,7 @@ class Recorder(TorchDispatchMode):
                 metas.append(self._meta(t, sid, fresh))
                 self._producer[t] = idx
         self.run.ops.append(OpRecord(idx, name, inputs, tuple(metas), self.module, self.phase,
-                                     node, flops))
+                                     node, flops, origin))
         self.current_op = None
 
 

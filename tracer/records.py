@@ -127,6 +127,8 @@ class OpRecord:
     phase: Phase
     autograd_node: str | None = None
     flops: object = 0  # sympy: floating-point operations (torch.utils.flop_counter's formulas)
+    # backward: the module whose forward made the autograd node running (None elsewhere)
+    origin: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,3 +169,9 @@ class RunRecord:
     # True when whole warm-up steps were traced before ``start`` (a library's loop, a
     # Driver): the run's history is then real, not the plain loop's synthetic warm-up
     warmed: bool = False
+    # storage id -> name of the parameter whose optimizer state or gradient it is (the plain
+    # loop's warm-up; a storage made by an op that names no parameter)
+    owners: dict = field(default_factory=dict)
+    # storage id -> id of the storage it re-allocates (``UntypedStorage.resize_``: FSDP2 frees
+    # and re-allocates unsharded parameters so)
+    resized: dict = field(default_factory=dict)

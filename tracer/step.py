@@ -396,7 +396,8 @@ def _plain(stack, recorder: Recorder, model, inputs: dict, constants: dict, conf
     loss_fn = config.loss_fn or default_loss
     _record(stack, recorder, model, inputs, config)
     call = _forward(model, recorder, config)
-    _warm_up(recorder, opt, trainable, config.device, scaler)
+    _warm_up(recorder, opt, trainable, config.device, scaler,
+             names={id(p): n for n, p in model.named_parameters()})
     recorder.run.start = len(recorder.run.events)
     for p in trainable:
         stack.callback(p.register_post_accumulate_grad_hook(recorder.grad_ready).remove)
@@ -649,13 +650,15 @@ def _no_cuda_autocast():
 
 
 def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
-             device: str, scaler=None) -> None:
+             device: str, scaler=None, names: dict | None = None) -> None:
     """Create the optimizer state as a previous step would have, and that step's gradients.
 
     On CUDA, torch.optim keeps scalar ``step`` counters on the host unless the optimizer is
     ``capturable`` or ``fused``: those are marked as host memory. Master-weight optimizers
     (:class:`memsim.tracer.precision.MasterWeights`) hold fp32 masters (optimizer state) and fp32
     gradient buffers (gradients). A GradScaler's scale and growth tracker are optimizer state.
+    ``names`` (``id(parameter) -> name``) records whose state and gradients they are
+    (:attr:`memsim.tracer.RunRecord.owners`).
     """
     from .precision import MasterWeights
 
@@ -668,13 +671,16 @@ def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
     if isinstance(opt, MasterWeights):
         for i, m in enumerate(opt.masters):
             recorder.register(m, f"<master.{i}>", Category.OPTIMIZER_STATE)
+            recorder.own(m, (names or {}).get(id(trainable[i])))
         for i, g in enumerate(opt.main_grads):
             recorder.register(g, f"<main_grad.{i}>", Category.GRADIENT)
+            recorder.own(g, (names or {}).get(id(trainable[i])))
     for p in trainable:
         p.grad = torch.zeros_like(p)
     opt.step()
     for p in trainable:
         recorder.set_category(p.grad, Category.GRADIENT)
+        recorder.own(p.grad, (names or {}).get(id(p)))
     inner = opt.inner if isinstance(opt, MasterWeights) else opt
     on_device_steps = any(g.get("capturable") or g.get("fused") for g in inner.param_groups)
     paged = getattr(inner, "_memsim_host_state", None) if device == "cuda" else None
@@ -682,6 +688,7 @@ def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 recorder.set_category(v, Category.OPTIMIZER_STATE)
+                recorder.own(v, (names or {}).get(id(p)))
                 if (paged is not None and paged(p, k)) or (
                         device == "cuda" and k == "step" and v.dim() == 0
                         and not on_device_steps):

@@ -18,7 +18,8 @@ import torch
 
 from .config import StepConfig
 from .driver import Driver
-from .errors import DataDependentError, InputError, SpecializationError
+from . import fold
+from .errors import DataDependentError, InputError, MemsimError, SpecializationError
 from .records import Category, LeafRecord, Phase, RunRecord, Storage
 from .spec import TensorSpec, is_tensor_spec, make_spec, symbol
 from .step import run_step
@@ -66,6 +67,7 @@ class Trace:
     guards: list[str] = field(default_factory=list)
     conditions: list = field(default_factory=list)
     limits: dict[str, int] = field(default_factory=dict)
+    folded: "Folding | None" = None
 
     def fx_graph(self) -> torch.fx.Graph:
         from .graph import to_fx
@@ -143,6 +145,75 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
         else:
             constants[name] = value
     hint_map = example_sizes(specs, config.hints)
+    # a strategy's transform says which modules it treats one by one; a library's loop
+    # (DeepSpeed's engine) fills buckets across blocks: not folded
+    touched = () if transform is None else getattr(transform, "paths", None)
+    stack = fold.find_stack(model, touched) if (
+        config.fold and not config.compiled and touched is not None
+        and not (driver is not None and train)) else None
+    if stack is not None:
+        return _folded(model, stack, specs, constants, config, hint_map, train=train,
+                       transform=transform, driver=driver, patches=patches)
+    return _traced(model, specs, constants, config, hint_map, train=train,
+                   transform=transform, driver=driver, patches=patches)
+
+
+@dataclass(frozen=True)
+class Folding:
+    """How a folded trace was made (:mod:`memsim.tracer.fold`).
+
+    Attributes
+    ----------
+    stack : the stack of blocks folded (path, blocks, pattern).
+    traced : blocks of the two runs traced (the second proves the construction from the first).
+    reason : why the model was traced whole after all (None when folded).
+    """
+
+    stack: fold.Stack
+    traced: tuple[int, int]
+    reason: str | None = None
+
+    def describe(self) -> str:
+        a, b = self.traced
+        if self.reason is not None:
+            return (f"every block traced: {self.stack.describe()} did not fold "
+                    f"({self.reason})")
+        return (f"{self.stack.describe()}: traced with {a} and with {b} blocks, the "
+                f"{self.stack.size}-block run derived from the first and proven equal to the "
+                "second with one more")
+
+
+def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
+    """A trace of ``model`` from two runs of its stack cut short (:mod:`memsim.tracer.fold`),
+    or of the whole model where the runs do not repeat as the stack does."""
+    units = fold.TRACED_UNITS
+    traced = (stack.layers(units), stack.layers(units + 1))
+    try:
+        with fold.cut(model, stack, units):
+            a = _traced(model, specs, constants, config, hint_map, **kw)
+        with fold.cut(model, stack, units + 1):
+            b = _traced(model, specs, constants, config, hint_map, **kw)
+        reason = None
+        if (a.ranges, a.guards, a.hints) != (b.ranges, b.guards, b.hints):
+            reason = "the cut runs take different code paths"
+        else:
+            reason = fold.difference(fold.construct(a.run, stack, units, 1), b.run)
+            reason = reason and f"one more block differs from the runs' pattern at {reason}"
+        if reason is None:
+            run = fold.construct(a.run, stack, units, stack.units - units)
+            return replace(a, run=run, folded=Folding(stack, traced))
+    except fold.CannotFold as e:
+        reason = str(e)
+    except SpecializationError:
+        raise
+    except MemsimError as e:
+        reason = f"a cut run failed: {e.message}"
+    t = _traced(model, specs, constants, config, hint_map, **kw)
+    return replace(t, folded=Folding(stack, traced, reason))
+
+
+def _traced(model, specs, constants, config, hint_map, *, train, transform, driver,
+            patches) -> Trace:
     run, shape_env, table = run_step(model, specs, constants, config, hints=hint_map,
                                      train=train, transform=transform, driver=driver,
                                      patches=patches)
