@@ -7,14 +7,14 @@ allocator charges (:mod:`memsim.analysis.allocator`: 512-byte blocks on CUDA).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import sympy
 
 from memsim.tracer import MODEL_STATE, Category, InputError, OutOfRangeError, Phase, Trace
 
 from .allocator import block_bytes
-from .peak import (Candidate, PolyBasis, as_max, exact_function, prune, regime_changes,
+from .peak import (Candidate, PolyBasis, as_max, exact_values, prune, regime_changes,
                    running_peaks)
 
 
@@ -101,10 +101,10 @@ class StepMemory:
             syms = list(self.trace.symbols.values())
             exprs = [c.expr for c in self.candidates] if name == "peak" else \
                 [getattr(self, name)]
-            self._functions[name] = [exact_function(sympy.sympify(e), syms)
-                                     for e in exprs] or [lambda *a: 0]
+            self._functions[name] = exact_values([sympy.sympify(e) for e in exprs], syms) \
+                if exprs else (lambda *a: [0])
         args = [point[n] for n in self.trace.symbols]
-        return max(int(f(*args)) for f in self._functions[name])
+        return max(int(v) for v in self._functions[name](*args))
 
     def violated(self, point: dict[str, int]) -> list:
         """The trace's conditions (:attr:`memsim.tracer.Trace.conditions`) false at ``point``."""
@@ -261,6 +261,77 @@ def step_memory(trace: Trace) -> StepMemory:
         optimizer_states=total_of(Category.OPTIMIZER_STATE, start_live),
         saved_activations=sympy.expand(saved),
         activation_peak=as_max(act), activation_candidates=act)
+
+
+@dataclass(frozen=True)
+class DepthPeak:
+    """The peak as a function of the stack's depth too (a folded trace).
+
+    Attributes
+    ----------
+    symbol : the depth symbol (``L``: blocks of the stack; ``layers`` where the inputs use L).
+    peak : the peak in the input symbols and ``symbol``, exact for every depth from ``low``.
+    low : the least depth it holds for (one unit more than the first cut run).
+    candidates : the regimes of ``peak``.
+    """
+
+    symbol: sympy.Symbol
+    peak: sympy.Expr
+    low: int
+    candidates: list
+
+
+def depth_peak(step: StepMemory) -> DepthPeak | None:
+    """The peak of a folded step (:mod:`memsim.tracer.fold`) as a function of the number of
+    blocks too, or None where the trace was not folded.
+
+    The run with one unit more than the first cut run holds two copies of each region of the
+    copied unit; a model with ``k`` more units runs ``k - 1`` more between them, each changing
+    the live bytes by what one copy changes them by (the copies are equal), so the running sum
+    from the second copy on is the pair's plus ``(k - 1)`` times that change. Inside the copies
+    the sum is affine in the copy's number: its largest value is at the first or at the last
+    copy, the two the pair has. The candidates are the pair's with that term, pruned as
+    usual; the depth's lower bound is the pair's.
+    """
+    trace = step.trace
+    f = trace.folded
+    if f is None or f.reason is not None or f.pair is None:
+        return None
+    run, dev = f.pair, trace.device
+    syms = list(trace.symbols.values())
+    extra = sympy.Symbol("_extra", integer=True, positive=True)
+    basis = PolyBasis(syms + [extra])
+    charge = [charged(s, dev) if s.device == dev else None for s in run.storages]
+    sizes = [basis.coeffs(c) if c is not None else None for c in charge]
+    starts = {a: b for a, b in f.copies}
+    evs, where, start = [], [], 0
+    for i, e in enumerate(run.events):
+        if i == run.start:
+            start = len(evs)
+        if i in starts:
+            net = sympy.Add(*[ev.sign * charge[ev.sid] for ev in run.events[i:starts[i]]
+                              if charge[ev.sid] is not None])
+            sizes.append(basis.coeffs(sympy.expand((extra - 1) * net)))
+            evs.append((1, len(sizes) - 1))
+            where.append(i)
+        evs.append((e.sign, e.sid))
+        where.append(i)
+    if run.start >= len(run.events):
+        start = len(evs)
+    label = _label(replace(trace, run=run))
+    cands = running_peaks(evs, sizes.__getitem__, basis, start,
+                          lambda j: label(where[j] if 0 <= j < len(where) else j))
+    lows = {n: r[0] for n, r in trace.ranges.items()}
+    lows["_extra"] = 1
+    cands = prune(cands, syms + [extra], lows)
+    st = f.stack
+    name = "L" if "L" not in trace.symbols else "layers"
+    depth = sympy.Symbol(name, integer=True, positive=True)
+    # blocks = prefix + period * (units of the pair + extra - 1)
+    units = (depth - st.prefix) / st.period
+    to_depth = {extra: sympy.expand(units - f.units)}
+    out = [replace(c, expr=sympy.expand(c.expr.xreplace(to_depth)), terms=None) for c in cands]
+    return DepthPeak(depth, as_max(out), st.layers(f.units + 1), out)
 
 
 def charged(s, device: str) -> sympy.Expr:

@@ -16,6 +16,7 @@ unevaluated ``Max`` whose arguments are the distinct regimes of the peak.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -249,14 +250,27 @@ def exact_function(expr: sympy.Expr, symbols: Sequence[sympy.Symbol]) -> Callabl
     ``floor``/``ceiling`` of a polynomial over an integer become integer divisions, so that no
     float is involved at any size.
     """
+    return functools.partial(_first, exact_values([expr], symbols))
+
+
+def _first(values, *args):
+    return values(*args)[0]
+
+
+def exact_values(exprs: Sequence[sympy.Expr], symbols: Sequence[sympy.Symbol]) -> Callable:
+    """One function of integer ``symbols`` returning the list of ``exprs``' values with exact
+    integer arithmetic: ``floor``/``ceiling`` of a polynomial over an integer become integer
+    divisions, so that no float is involved at any size. One code generation for a peak's
+    many candidates."""
     def div(kind):
         def rule(x):
             num, den = x.as_numer_denom()
             return kind(num, den)
         return rule
 
-    e = expr.replace(sympy.ceiling, div(_CDIV)).replace(sympy.floor, div(_FDIV))
-    return sympy.lambdify(list(symbols), e, modules=[
+    body = [sympy.sympify(e).replace(sympy.ceiling, div(_CDIV)).replace(sympy.floor, div(_FDIV))
+            for e in exprs]
+    return sympy.lambdify(list(symbols), body, modules=[
         {"cdiv": lambda p, q: -((-p) // q), "fdiv": lambda p, q: p // q}, "math"])
 
 
@@ -288,11 +302,11 @@ def regime_changes(cands: Sequence[Candidate], sym: sympy.Symbol, at: dict,
     others = [(s, v) for s, v in at.items() if s != sym]
     syms = [sym] + [s for s, _ in others]
     fixed = [v for _, v in others]
-    fns = [exact_function(c.expr, syms) for c in cands]
+    every = exact_values([c.expr for c in cands], syms)
     top = hi if hi is not None else 2 ** 24
 
     def best(v: int) -> int:
-        vals = [f(v, *fixed) for f in fns]
+        vals = every(v, *fixed)
         return max(range(len(vals)), key=lambda k: (vals[k], -cands[k].event))
 
     samples = sorted({lo, top} | {2 ** k for k in range(1, 25) if lo < 2 ** k < top})

@@ -17,7 +17,8 @@ training step only, the peak of the second step.
   largest by default; 0 skips it); ``--sweep MODEL`` runs it at all 16 points of one model.
 - the bytes of both at every point the peer ran, and the sweep ratio: the peer's time for 16
   points (measured, or its mean per point times 16) over memsim's one process.
-- ``--strategies``: memsim's time and RSS with ``--fsdp --dp 8`` and ``--zero 3 --dp 8``.
+- ``--strategies``: memsim's time and RSS with FSDP2 over 8 ranks and ZeRO-3 over 8 ranks
+  (DeepSpeed's engine is traced whole: its buckets span blocks, so it is not folded).
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ MODELS = {
 BATCHES = (1, 2, 4, 8)
 
 
-def build(name: str):
+def build(name: str, meta: bool = True):
     import torch
     import transformers
     kind, kw, _ = MODELS[name]
     cfg = getattr(transformers, f"{kind}Config")(**kw)
     cls = transformers.GPT2LMHeadModel if kind == "GPT2" else transformers.LlamaForCausalLM
+    if not meta:
+        return cls(cfg)
     with torch.device("meta"):
         return cls(cfg)
 
@@ -85,7 +88,10 @@ def child_memsim(name: str, strategy: str) -> dict:
                              "labels": ("int64", ["B", "S"])},
                      device="cpu", optimizer=sgd, inference=False, **kw)
     t_formula = time.perf_counter() - t0
-    got = {f"{b},{s}": report.at(B=b, S=s)["train"]["peak"] for b, s in points(name)}
+    got = {}
+    for b, s in points(name):
+        sub, at = report.for_point({"B": b, "S": s})   # B = 1: traced once more
+        got[f"{b},{s}"] = sub.at(**at)["train"]["peak"]
     folded = report.train.trace.folded
     return {"analysis_s": t_formula, "total_s": time.perf_counter() - t0, "bytes": got,
             "folded": folded.describe() if folded is not None else "not folded"}
@@ -97,7 +103,7 @@ def child_peer(name: str, b: int, s: int) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
     t0 = time.perf_counter()
     with FakeTensorMode():
-        model = build(name).to_empty(device="cpu")
+        model = build(name, meta=False)
         opt = sgd(model.parameters())
         mt = MemTracker()
         mt.track_external(model, opt)
@@ -136,7 +142,11 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--peer-points", type=int, default=2)
     ap.add_argument("--sweep", metavar="MODEL", help="the peer at all 16 points of MODEL")
-    ap.add_argument("--strategies", action="store_true")
+    ap.add_argument("--peer-skip", default="llama31-405b",
+                    help="models the peer is not run on (one 405B point takes many minutes)")
+    ap.add_argument("--strategies", metavar="MODELS", nargs="?", const="llama2-7b",
+                    help="memsim with FSDP2 dp 8 and ZeRO-3 dp 8 on these models "
+                         "(default llama2-7b)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -150,7 +160,7 @@ def main() -> None:
         mine, wall, rss = run_child("memsim", name)
         pts = points(name)
         want = pts if name == args.sweep else (
-            [] if args.peer_points <= 0 else
+            [] if args.peer_points <= 0 or name in args.peer_skip.split(",") else
             [pts[0], pts[-1]] if args.peer_points == 2 else pts[:args.peer_points])
         peer = []
         for b, s in want:
@@ -182,7 +192,7 @@ def main() -> None:
         print()
         print("| model | strategy | memsim, whole process | peak RSS |")
         print("|---|---|---|---|")
-        for name in args.models.split(","):
+        for name in args.strategies.split(","):
             for strat in ("fsdp", "zero3"):
                 got, wall, rss = run_child("memsim", name, strat)
                 print(f"| {name} | {strat} dp 8 | {wall:.1f} s | {rss:.0f} MiB |", flush=True)

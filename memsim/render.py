@@ -147,6 +147,12 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None,
     if report.train is not None:
         doc["train"]["regimes"] = [
             {"formula": formula(c.expr), "where": str(c.label)} for c in report.train.candidates]
+        depth = _depth(report)
+        if depth is not None:
+            st = report.train.trace.folded.stack
+            doc["train"]["by_depth"] = {
+                "symbol": str(depth.symbol), "stack": st.path, "blocks": st.size,
+                "min": depth.low, "formula": formula(depth.peak)}
     step = report.train or report.inference
     doc["modules"] = [{"path": m.path, "type": m.type, "saved": _e(step, m.saved, point)}
                       for m in report.modules]
@@ -165,6 +171,15 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None,
     if budget is not None:
         doc["budget"] = budget_json(budget)
     return doc
+
+
+def _depth(report: Report):
+    """The training peak as a function of depth too, where the trace was folded and no
+    strategy edits the step after the trace (:func:`memsim.analysis.memory.depth_peak`)."""
+    from memsim.analysis.memory import StepMemory, depth_peak
+    if report.train is None or type(report.train) is not StepMemory:
+        return None
+    return depth_peak(report.train)
 
 
 def _figures(report: Report, point) -> dict:
@@ -374,6 +389,15 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
     if report.strategy:
         out.append("strategy: " + strategy_text(report.strategy))
     out += [f"  note: {n}" for n in dict.fromkeys((*report.notes, *(full or report).notes))]
+    depth = _depth(report)
+    if depth is not None:
+        st = report.train.trace.folded.stack
+        at = {**report.fixed, **(point or {}), str(depth.symbol): st.size}
+        syms = {**report.train.trace.symbols, str(depth.symbol): depth.symbol}
+        out.append(f"  training peak by depth ({depth.symbol} blocks of {st.path}, exact for "
+                   f"{depth.symbol} >= {depth.low}): {approx(depth.peak, at, syms)}"
+                   f"{' at ' + str(depth.symbol) + '=' + str(st.size) if point else ''} "
+                   "(--json: the formula)")
     if report.strategy:
         if report.ranks:
             out += ["", "Per rank (groups of ranks with equal memory)", _ranks_table(report, point)]

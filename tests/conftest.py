@@ -6,6 +6,11 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
+# the command's answer cache (memsim.entry) of this session only: commands the tests run in
+# subprocesses neither read nor leave answers in the user's cache
+if "MEMSIM_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["MEMSIM_CACHE_DIR"] = tempfile.mkdtemp(prefix="memsim-test-cache-")
 
 # MEMSIM_STRICT_DEPS=1 (set by .ci/run): a skip is a failure. Every test of the suite runs with
 # the `test` extra installed, so in CI a skip can only mean a declared dependency is missing or

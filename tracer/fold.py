@@ -403,7 +403,8 @@ class _Folder:
         if item.kind == "ev":
             return self.sid_unit[self.run.events[item.ref].sid]
         if item.kind == "gr":
-            return self.sid_unit[self.run.grad_ready[item.ref][1]]
+            sid = self.run.grad_ready[item.ref][1]
+            return None if sid is None else self.sid_unit[sid]
         return None
 
     def construct(self, extra: int) -> RunRecord:
@@ -529,7 +530,8 @@ class _Folder:
         count: dict = {}
         sroles = []
         for s in run.storages:
-            sig = ("s", s.nbytes, s.op, _norm(names, s.module), s.phase, s.category, s.device, s.stream)
+            sig = ("s", s.nbytes, s.op, _norm(names, s.module), s.phase, s.category, s.device,
+                   s.stream)
             key = (self.sid_unit[s.sid], sig)
             count[key] = count.get(key, 0) + 1
             sroles.append((sig, count[key]))
@@ -550,6 +552,7 @@ class _Folder:
         sroles, oroles = roles
         # the sequence of (item, shift): each region followed by its copies
         seq: list[tuple[_Item, int | None]] = []
+        bounds: list[int] = []      # where the last copy of each region starts and ends in seq
         k = 0
         for a, b, asc in regions + [(len(items), len(items), True)]:
             while k < a:
@@ -560,8 +563,11 @@ class _Folder:
                 break
             for c in range(extra + 1):
                 s = c if asc else extra - c
+                if c == extra:
+                    bounds.append(len(seq))
                 for it in items[a:b]:
                     seq.append((it, s))
+            bounds.append(len(seq))
             k = b
         # pass 1: storages and ops get their instances
         new_sid: dict = {}          # (old sid, instance or None) -> new storage
@@ -611,7 +617,12 @@ class _Folder:
                 return target_unit if target_unit < j else target_unit + extra
             return item_inst + (target_unit - item_unit)
 
-        for it, shift in seq:
+        at_bound: dict[int, list] = {}
+        for pos in bounds:
+            at_bound.setdefault(pos, []).append(pos)
+        edges: list[int] = []       # the same bounds as indices into the events
+        for pos, (it, shift) in enumerate(seq):
+            edges += [len(events)] * len(at_bound.get(pos, ()))
             if it.kind == "ev":
                 e = run.events[it.ref]
                 u = self.sid_unit[e.sid]
@@ -698,7 +709,9 @@ class _Folder:
                     if key in op_at:
                         raise CannotFold(f"two ops {_name(rec)} at unit {where}")
                     op_at[key] = idx
-        # renumber storages in allocation order (they are: each is made at its + event)
+        edges += [len(events)] * len(at_bound.get(len(seq), ()))
+        self.last_copies = list(zip(edges[0::2], edges[1::2]))
+        # storages are numbered in allocation order (each is made at its + event)
         out = RunRecord(storages=storages, events=events, ops=ops)
         payload = {k: v for k, v in markers}
         out.marks = []
@@ -780,6 +793,16 @@ def construct(run: RunRecord, stack: Stack, units: int, extra: int) -> RunRecord
     """Run ``run`` (the model with its stack cut to ``units`` units) with ``extra`` more
     units, derived by copying unit :data:`TEMPLATE` (module docstring)."""
     return _Folder(run, stack, units).construct(extra)
+
+
+def construct_pair(run: RunRecord, stack: Stack, units: int) -> tuple[RunRecord, list]:
+    """:func:`construct` with one unit more, and where the second copy of each region lies
+    (``(first event, end event)`` pairs): between the two copies of a region, a model with
+    ``k`` more units runs ``k - 1`` more, each changing the live bytes by as much as that
+    copy does (:func:`memsim.analysis.memory.depth_peak`)."""
+    f = _Folder(run, stack, units)
+    out = f.construct(1)
+    return out, f.last_copies
 
 
 def difference(a: RunRecord, b: RunRecord) -> str | None:

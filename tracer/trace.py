@@ -172,6 +172,11 @@ class Folding:
     stack: fold.Stack
     traced: tuple[int, int]
     reason: str | None = None
+    # the run with one unit more than the first cut (equal to the second), and where the
+    # second copy of each region lies in its events: the peak as a function of depth
+    pair: RunRecord | None = field(default=None, repr=False, compare=False)
+    copies: tuple = ()
+    units: int = 0
 
     def describe(self) -> str:
         a, b = self.traced
@@ -197,11 +202,13 @@ def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
         if (a.ranges, a.guards, a.hints) != (b.ranges, b.guards, b.hints):
             reason = "the cut runs take different code paths"
         else:
-            reason = fold.difference(fold.construct(a.run, stack, units, 1), b.run)
+            pair, copies = fold.construct_pair(a.run, stack, units)
+            reason = fold.difference(pair, b.run)
             reason = reason and f"one more block differs from the runs' pattern at {reason}"
         if reason is None:
             run = fold.construct(a.run, stack, units, stack.units - units)
-            return replace(a, run=run, folded=Folding(stack, traced))
+            return replace(a, run=run, folded=Folding(stack, traced, pair=b.run,
+                                                      copies=tuple(copies), units=units))
     except fold.CannotFold as e:
         reason = str(e)
     except SpecializationError:

@@ -1,0 +1,80 @@
+"""The command's answer cache (memsim.entry): a repeated command is answered from disk without
+importing torch; any change to what the answer depends on (the target, a module it imports,
+the options) traces again; --no-cache bypasses it."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from memsim import entry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TARGET = textwrap.dedent("""\
+    import torch
+    from helper import WIDTH
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(8, WIDTH), torch.nn.ReLU(),
+                                   torch.nn.Linear(WIDTH, 2))
+    """)
+
+
+def _memsim(tmp_path, *extra):
+    """Run the command through its entry in a fresh process: (stdout, torch imported?)."""
+    argv = ["analyze", str(tmp_path / "target.py") + ":model", "--input", "input=float32[B,8]",
+            "--device", "cpu", "--at", "B=4", "--quiet", *extra]
+    code = ("import sys\nfrom memsim.entry import main\nrc = main(%r)\n"
+            "print('TORCH', 'torch' in sys.modules)\nsys.exit(rc)" % (argv,))
+    env = {**os.environ, "MEMSIM_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, check=True).stdout
+    body, _, flag = out.rpartition("TORCH ")
+    return body, flag.strip() == "True"
+
+
+def test_a_repeated_command_is_answered_from_disk(tmp_path):
+    (tmp_path / "target.py").write_text(TARGET)
+    (tmp_path / "helper.py").write_text("WIDTH = 16\n")
+    first, traced = _memsim(tmp_path)
+    assert traced and "Training step" in first
+    again, traced = _memsim(tmp_path)
+    assert again == first and not traced           # from disk, torch never imported
+    # a module the target imports changes: traced again, and the answer changes with it
+    (tmp_path / "helper.py").write_text("WIDTH = 32\n")
+    changed, traced = _memsim(tmp_path)
+    assert traced and changed != first
+    # other options are another answer; --no-cache neither reads nor writes
+    _, traced = _memsim(tmp_path, "--at", "B=5")
+    assert traced
+    _, traced = _memsim(tmp_path, "--no-cache")
+    assert traced
+
+
+def test_what_is_not_kept():
+    assert entry.cacheable(["analyze", "m.py:f", "--input", "x=float32[B]"])
+    assert not entry.cacheable(["analyze", "m.py:f", "--no-cache"])
+    assert not entry.cacheable(["analyze", "m.py:f", "--plot", "p.png"])
+    assert not entry.cacheable(["analyze", "m.py:f", "--html=r.html"])
+    assert not entry.cacheable(["gpus"])
+    assert not entry.cacheable(["analyze", "--help"])
+
+
+@pytest.mark.parametrize("platform,env,want", [
+    ("linux", {"XDG_CACHE_HOME": "/x/cache"}, "/x/cache/memsim"),
+    ("linux", {"HOME": "/home/u"}, "/home/u/.cache/memsim"),
+    ("darwin", {"HOME": "/Users/u"}, "/Users/u/Library/Caches/memsim"),
+])
+def test_cache_location_follows_the_platform(monkeypatch, platform, env, want):
+    for k in ("MEMSIM_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "platform", platform)
+    assert entry.cache_dir() == want
+    monkeypatch.setenv("MEMSIM_CACHE_DIR", "/elsewhere")
+    assert entry.cache_dir() == "/elsewhere"
