@@ -167,3 +167,29 @@ def test_the_peak_by_depth_is_exact_at_other_depths(device):
             assert int(depth.peak.xreplace({B: b, S: s, depth.symbol: n})) == \
                 whole.value("peak", {"B": b, "S": s})
     assert sympy.Symbol("L", integer=True, positive=True) in depth.peak.free_symbols
+
+
+def test_the_command_line_says_how_it_traced(tmp_path, capsys):
+    """--json: the note, and the peak by depth; --no-fold: every block traced, no depth."""
+    import json
+
+    from memsim.cli import main
+
+    (tmp_path / "m.py").write_text(
+        "import transformers\n"
+        "def model():\n"
+        "    return transformers.LlamaForCausalLM(transformers.LlamaConfig(\n"
+        f"        num_hidden_layers=7, **{SMALL!r}))\n")
+    args = ["analyze", f"{tmp_path / 'm.py'}:model", "--input", "input_ids=int64[B,S]",
+            "--input", "labels=int64[B,S]", "--device", "cpu", "--at", "B=2,S=8", "--train",
+            "--json"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert any("derived from the first and proven equal" in n for n in doc["notes"])
+    depth = doc["train"]["by_depth"]
+    assert (depth["symbol"], depth["stack"], depth["blocks"], depth["min"]) == \
+        ("L", "model.layers", 7, 5)
+    assert main(args + ["--no-fold"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "by_depth" not in plain["train"]
+    assert plain["train"]["peak"] == doc["train"]["peak"]
