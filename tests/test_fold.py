@@ -64,6 +64,19 @@ def test_folded_run_equals_the_whole_run(family, train):
     assert (folded.ranges, folded.guards) == (whole.ranges, whole.guards)
 
 
+def test_folded_under_autocast():
+    """bf16-mixed: autocast frees its cached weight casts in its hash table's order when it
+    exits; recorded in the order they were made, the run folds (ViT's Linear layers have
+    biases, each cast cached)."""
+    m = _model(transformers.ViTForImageClassification, transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=7, num_attention_heads=4, intermediate_size=64,
+        image_size=32, patch_size=16))
+    folded, whole = _both(m, {"pixel_values": ("float32", ["B", 3, 32, 32])}, device="cuda",
+                          precision="bf16-mixed")
+    assert folded.folded.reason is None, folded.folded.describe()
+    assert fold.difference(folded.run, whole.run) is None
+
+
 def test_pattern_of_the_stack():
     """Blocks, a unit of two alternating blocks, a prefix of distinct ones."""
     assert fold.find_stack(FAMILIES["llama"]()) == fold.Stack("model.layers", 7, 0, 1)

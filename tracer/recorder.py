@@ -116,6 +116,7 @@ class Recorder(TorchDispatchMode):
         self._checked = keys(Kind.NAMESPACE)  # op namespaces checked against real runs
         # autograd sequence number -> module whose forward created that node
         self._node_module: dict[int, str] = {}
+        self._held: list | None = None  # releases held back (sorted_cache_frees)
 
     # -- storages -------------------------------------------------------------------------------
     @property
@@ -160,6 +161,9 @@ class Recorder(TorchDispatchMode):
         return len(self._streams)
 
     def _release(self, key: int, sid: int) -> None:
+        if self._held is not None:
+            self._held.append((key, sid))
+            return
         if self._live.get(key) == sid:
             del self._live[key]
             self.run.storages[sid].free = self.time
@@ -183,6 +187,30 @@ class Recorder(TorchDispatchMode):
             if val == sid:
                 self._live[key] = nsid
                 break
+
+    @contextlib.contextmanager
+    def sorted_cache_frees(self):
+        """Inside: autocast's cached weight casts, freed when the outermost autocast exits in
+        the order of its hash table, are recorded as freed in the order they were made. They
+        are freed at one moment with nothing made between, so no figure depends on their
+        order; a folded trace (:mod:`memsim.tracer.fold`) needs the same order every time."""
+        orig = torch.clear_autocast_cache
+        recorder = self
+
+        def clear():
+            recorder._held = []
+            try:
+                orig()
+            finally:
+                held, recorder._held = recorder._held, None
+                for key, sid in sorted(held, key=lambda ks: ks[1]):
+                    recorder._release(key, sid)
+
+        torch.clear_autocast_cache = clear
+        try:
+            yield
+        finally:
+            torch.clear_autocast_cache = orig
 
     @contextlib.contextmanager
     def paused(self):

@@ -364,6 +364,7 @@ def _record(stack: contextlib.ExitStack, recorder: Recorder, model, inputs: dict
     """Start recording: the recorder and its helpers, then the tensors that exist already."""
     stack.enter_context(recorder)
     stack.enter_context(recorder.watch_resizes())
+    stack.enter_context(recorder.sorted_cache_frees())
     stack.enter_context(recorder.skip_sharding_propagation())
     stack.enter_context(module_tracking(model, recorder))
     stack.enter_context(_no_cuda_autocast())
