@@ -56,6 +56,9 @@ class Trace:
         only when it divides; ``Ne(Mod(B, 2), 0)``): the run's code paths depend on them, so
         the formulas are known to hold only where they are all true (a point where one is false
         is traced again: :meth:`memsim.analysis.Report.for_point`).
+    folded : Folding or None
+        How a stack of repeated blocks was folded (:mod:`memsim.tracer.fold`), or why it was
+        traced whole after all; None where the model has no stack worth folding.
     """
 
     run: RunRecord
