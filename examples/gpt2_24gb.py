@@ -24,7 +24,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import human
+from memsim.render import verdict
 
 
 def config(small: bool = False) -> dict:
@@ -56,11 +56,7 @@ def main(small: bool = False) -> None:
         report = memsim.analyze(model, INPUTS, device=c["device"], precision="bf16-mixed",
                                 keep_outputs=False, inference=False, checkpoint=ckpt)
         bud = plan(report, pt, gpu=card, capacity=16 * 2 ** 20 if small else None)
-        reserved = (human(bud.reserved) if bud.reserved is not None else "n/a on CPU" if small
-                    else "over the card (the caching allocator runs out of memory)")
-        print(f"  {label}, B={pt['B']}, S={pt['S']}: peak allocated {human(bud.allocated)} "
-              f"({bud.allocated:,} B), reserved {reserved}, total {human(bud.total)}: "
-              f"{'FITS' if bud.fits else 'DOES NOT FIT'}, headroom {bud.headroom:.1%}")
+        print(f"  {label}, B={pt['B']}, S={pt['S']}: {verdict(bud)}")
         print(f"    largest batch that fits at S={pt['S']}: {bud.max_batch}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 

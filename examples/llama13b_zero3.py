@@ -42,7 +42,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import human
+from memsim.render import human, verdict
 
 INPUTS = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
 SMALL_BUCKETS = dict(reduce_bucket_size=10_000, allgather_bucket_size=10_000,
@@ -98,11 +98,7 @@ def main(small: bool = False, deepspeed: bool = False) -> None:
     print(f"  per rank at B={point['B']}, S={point['S']}: parameters {human(f['parameters'])}, "
           f"optimizer states {human(f['optimizer_states'])}, activation peak "
           f"{human(f['activation_peak'])}")
-    reserved = (human(bud.reserved) if bud.reserved is not None else "n/a on CPU" if small
-                else "over the card (the caching allocator runs out of memory)")
-    print(f"  peak allocated {human(bud.allocated)} ({bud.allocated:,} B), reserved {reserved}, "
-          f"total {human(bud.total)}: {'FITS' if bud.fits else 'DOES NOT FIT'}, headroom "
-          f"{bud.headroom:.1%}")
+    print(f"  {verdict(bud)}")
     print(f"  largest micro-batch at S={point['S']}: {bud.max_batch}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 

@@ -32,7 +32,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import human
+from memsim.render import human, verdict
 
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
@@ -69,12 +69,8 @@ def main(small: bool = False) -> None:
         print(f"  {label} (adapter gradients {human(trainable)}):")
         for where, cap in targets:
             bud = plan(report, point, **cap)
-            reserved = (human(bud.reserved) if bud.reserved is not None else "n/a on CPU" if small
-                        else "over the card (the caching allocator runs out of memory)")
-            print(f"    {where}: peak allocated {human(bud.allocated)} ({bud.allocated:,} B), "
-                  f"reserved {reserved}, total {human(bud.total)}: "
-                  f"{'FITS' if bud.fits else 'DOES NOT FIT'}, headroom {bud.headroom:.1%}; "
-                  f"largest batch at S={point['S']}: {bud.max_batch}")
+            print(f"    {where}: {verdict(bud)}; largest batch at S={point['S']}: "
+                  f"{bud.max_batch}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 
 

@@ -32,7 +32,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import human
+from memsim.render import human, verdict
 
 LLAMA_70B = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
                  num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
@@ -68,11 +68,7 @@ def main(small: bool = False) -> None:
     print(f"  per rank at B={point['B']}, S={point['S']}: parameters {human(f['parameters'])}, "
           f"gradients {human(f['gradients'])}, optimizer states {human(f['optimizer_states'])}, "
           f"activation peak {human(f['activation_peak'])}")
-    reserved = (human(bud.reserved) if bud.reserved is not None else "n/a on CPU" if small
-                else "over the card (the caching allocator runs out of memory)")
-    print(f"  peak allocated {human(bud.allocated)} ({bud.allocated:,} B), reserved {reserved}, "
-          f"total {human(bud.total)}: {'FITS' if bud.fits else 'DOES NOT FIT'}, headroom "
-          f"{bud.headroom:.1%}")
+    print(f"  {verdict(bud)}")
     print(f"  largest batch at S={point['S']}: {bud.max_batch}; largest sequence at "
           f"B={point['B']}: {bud.max_seq}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")

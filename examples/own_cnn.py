@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import human
+from memsim.render import verdict
 
 
 def stage(cin: int, cout: int) -> nn.Sequential:
@@ -79,11 +79,7 @@ def main(small: bool = False) -> None:
     print(f"against {where}")
     for b in c["batches"]:
         bud = plan(report, {"B": b}, gpu=card, capacity=4 * 2 ** 20 if small else None)
-        reserved = (human(bud.reserved) if bud.reserved is not None else "n/a on CPU" if small
-                    else "over the card (the caching allocator runs out of memory)")
-        print(f"  B={b}: peak allocated {human(bud.allocated)} ({bud.allocated:,} B), reserved "
-              f"{reserved}, total {human(bud.total)}: "
-              f"{'FITS' if bud.fits else 'DOES NOT FIT'}, headroom {bud.headroom:.1%}")
+        print(f"  B={b}: {verdict(bud)}")
     print(f"largest batch that fits at {c['image']}x{c['image']}: {bud.max_batch}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 

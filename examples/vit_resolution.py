@@ -25,7 +25,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import human
+from memsim.render import verdict
 
 VIT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                  intermediate_size=4096, patch_size=16, num_labels=1000)
@@ -67,12 +67,8 @@ def main(small: bool = False) -> None:
                                 inference=False)
         bud = plan(report, {"B": c["batch"]}, gpu=card, capacity=2 * 2 ** 20 if small else None)
         tokens = (res // v["patch_size"]) ** 2 + 1
-        reserved = (human(bud.reserved) if bud.reserved is not None else "n/a on CPU" if small
-                    else "over the card (the caching allocator runs out of memory)")
-        print(f"  {res}x{res} ({tokens} tokens): peak allocated {human(bud.allocated)} "
-              f"({bud.allocated:,} B), reserved {reserved}, total {human(bud.total)}: "
-              f"{'FITS' if bud.fits else 'DOES NOT FIT'}, headroom {bud.headroom:.1%}; "
-              f"largest batch: {bud.max_batch}")
+        print(f"  {res}x{res} ({tokens} tokens): {verdict(bud)}; largest batch: "
+              f"{bud.max_batch}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 
 

@@ -29,6 +29,20 @@ DEVICE_NOTES = {
 }
 
 
+def verdict(b) -> str:
+    """A budget in one line: ``peak allocated 1.00 GiB (1,073,741,824 B), reserved ...,
+    total ...: FITS, headroom 40.0%`` (the examples' form)."""
+    if b.reserved is not None:
+        reserved = human(b.reserved)
+    elif b.replay is not None and b.replay.oom is not None:
+        reserved = "over the card (the caching allocator runs out of memory)"
+    else:
+        reserved = "n/a on CPU" if b.replay is None else "-"
+    return (f"peak allocated {human(b.allocated)} ({b.allocated:,} B), reserved {reserved}, "
+            f"total {human(b.total)}: {'FITS' if b.fits else 'DOES NOT FIT'}, headroom "
+            f"{b.headroom:.1%}")
+
+
 def human(n: int | None) -> str:
     """Bytes as a binary-unit string: ``human(1536) == '1.50 KiB'``."""
     if n is None:
