@@ -125,10 +125,11 @@ def _entry_path(k: str) -> str:
     return os.path.join(cache_dir(), f"v{FORMAT}", k + ".json")
 
 
-def lookup(argv: list[str]) -> dict | None:
-    """The kept answer to ``argv``, where every file it depended on is unchanged."""
+def lookup(k: str) -> dict | None:
+    """The kept answer under key ``k`` (:func:`key`), where every file it depended on is
+    unchanged."""
     try:
-        with open(_entry_path(key(argv)), encoding="utf-8") as f:
+        with open(_entry_path(k), encoding="utf-8") as f:
             entry = json.load(f)
     except (OSError, ValueError):
         return None
@@ -159,8 +160,10 @@ def _user_sources() -> list[str]:
     return sorted(set(out))
 
 
-def store(argv: list[str], stdout: str, rc: int) -> None:
-    path = _entry_path(key(argv))
+def store(k: str, argv: list[str], stdout: str, rc: int) -> None:
+    """Keep an answer under key ``k``: the key of the command as it was when it started (a
+    file edited while it ran does not get this answer)."""
+    path = _entry_path(k)
     entry = {"argv": argv, "stdout": stdout, "rc": rc, "created": time.time(),
              "deps": [[p, _digest(p)] for p in _user_sources()]}
     try:
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     use = cacheable(argv)
     if use:
-        hit = lookup(argv)
+        k = key(argv)
+        hit = lookup(k)
         if hit is not None:
             sys.stdout.write(hit["stdout"])
             sys.stdout.flush()
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sys.stdout = tee.out
     if rc in (0, 1):   # 1: the step does not fit (--check, fit): an answer too
-        store(argv, tee.seen.getvalue(), rc)
+        store(k, argv, tee.seen.getvalue(), rc)
     return rc
 
 

@@ -10,7 +10,7 @@ attention). Blocks are compared by class, parameter and buffer shapes, dtypes an
 (an attribute whose value differs in every block, such as ``layer_idx``).
 
 The model is then run with its stack cut to ``prefix + 4`` units (run A) and ``prefix + 5``
-units (run B). :func:`construct` derives a run with more units from run A by copying what unit
+units (run B). :func:`construct` (:class:`Folder`) derives a run with more units from run A by copying what unit
 1 does, everywhere in the step, as often as needed:
 
 - every op, leaf and event is attributed to a unit: by its module path in forward, by the
@@ -292,7 +292,14 @@ def _marks(run: RunRecord) -> list:
     return [(x, x[2]) for x in out]
 
 
-class _Folder:
+class Folder:
+    """Run ``run`` (the model with its stack cut to ``units`` units) attributed to its units
+    once, to derive runs with more units from (:meth:`construct`, any number of times). After
+    a construction, :attr:`last_copies` says where the last copy of each region lies
+    (``(first event, end event)``): with one unit more, between the two copies of a region a
+    model with ``k`` more units runs ``k - 1`` more, each changing the live bytes by as much
+    as that copy does (:func:`memsim.analysis.memory.depth_peak`)."""
+
     def __init__(self, run: RunRecord, stack: Stack, units: int):
         self.run, self.stack, self.n = run, stack, units
         self.names = _Units(stack)
@@ -792,17 +799,7 @@ def _name(rec) -> str:
 def construct(run: RunRecord, stack: Stack, units: int, extra: int) -> RunRecord:
     """Run ``run`` (the model with its stack cut to ``units`` units) with ``extra`` more
     units, derived by copying unit :data:`TEMPLATE` (module docstring)."""
-    return _Folder(run, stack, units).construct(extra)
-
-
-def construct_pair(run: RunRecord, stack: Stack, units: int) -> tuple[RunRecord, list]:
-    """:func:`construct` with one unit more, and where the second copy of each region lies
-    (``(first event, end event)`` pairs): between the two copies of a region, a model with
-    ``k`` more units runs ``k - 1`` more, each changing the live bytes by as much as that
-    copy does (:func:`memsim.analysis.memory.depth_peak`)."""
-    f = _Folder(run, stack, units)
-    out = f.construct(1)
-    return out, f.last_copies
+    return Folder(run, stack, units).construct(extra)
 
 
 def difference(a: RunRecord, b: RunRecord) -> str | None:

@@ -205,13 +205,14 @@ def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
         if (a.ranges, a.guards, a.hints) != (b.ranges, b.guards, b.hints):
             reason = "the cut runs take different code paths"
         else:
-            pair, copies = fold.construct_pair(a.run, stack, units)
-            reason = fold.difference(pair, b.run)
+            folder = fold.Folder(a.run, stack, units)
+            reason = fold.difference(folder.construct(1), b.run)
             reason = reason and f"one more block differs from the runs' pattern at {reason}"
         if reason is None:
-            run = fold.construct(a.run, stack, units, stack.units - units)
+            copies = tuple(folder.last_copies)
+            run = folder.construct(stack.units - units)
             return replace(a, run=run, folded=Folding(stack, traced, pair=b.run,
-                                                      copies=tuple(copies), units=units))
+                                                      copies=copies, units=units))
     except fold.CannotFold as e:
         reason = str(e)
     except SpecializationError:
