@@ -16,7 +16,6 @@ unevaluated ``Max`` whose arguments are the distinct regimes of the peak.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -242,19 +241,6 @@ def _scaled(rows: list, width: int) -> np.ndarray:
     big = max((abs(x) for r in ints for x in r), default=0)
     arr = np.array(ints, dtype=np.int64 if big < 2 ** 62 else object)
     return arr.reshape(len(rows), width)
-
-
-def exact_function(expr: sympy.Expr, symbols: Sequence[sympy.Symbol]) -> Callable[..., int]:
-    """``expr`` as a Python function of integer ``symbols`` with exact integer arithmetic.
-
-    ``floor``/``ceiling`` of a polynomial over an integer become integer divisions, so that no
-    float is involved at any size.
-    """
-    return functools.partial(_first, exact_values([expr], symbols))
-
-
-def _first(values, *args):
-    return values(*args)[0]
 
 
 def exact_values(exprs: Sequence[sympy.Expr], symbols: Sequence[sympy.Symbol]) -> Callable:
