@@ -256,8 +256,15 @@ def exact_values(exprs: Sequence[sympy.Expr], symbols: Sequence[sympy.Symbol]) -
 
     body = [sympy.sympify(e).replace(sympy.ceiling, div(_CDIV)).replace(sympy.floor, div(_FDIV))
             for e in exprs]
-    return sympy.lambdify(list(symbols), body, modules=[
-        {"cdiv": lambda p, q: -((-p) // q), "fdiv": lambda p, q: p // q}, "math"])
+    return sympy.lambdify(list(symbols), body, modules=[_EXACT, "math"])
+
+
+# torch's own integer functions (a kernel's ``//``, ``%`` or ``math.ceil(n / k)`` on sizes:
+# the CPU LSTM's page rounding, F.interpolate's scaled sizes), evaluated exactly
+_EXACT = {"cdiv": lambda p, q: -((-p) // q), "fdiv": lambda p, q: p // q,
+          "FloorDiv": lambda p, q: p // q, "CleanDiv": lambda p, q: p // q,
+          "PythonMod": lambda p, q: p % q, "Mod": lambda p, q: p % q,
+          "IntTrueDiv": Fraction, "CeilToInt": math.ceil, "FloorToInt": math.floor}
 
 
 _CDIV = sympy.Function("cdiv")

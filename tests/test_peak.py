@@ -57,3 +57,19 @@ def test_as_max_is_unevaluated_and_substitutes():
     m = as_max([Candidate(1000 * S, 0, None), Candidate(16 * S ** 2, 1, None)])
     assert isinstance(m, sympy.Max)
     assert m.subs(S, 10) == 10000 and m.subs(S, 100) == 160000
+
+
+def test_exact_values_takes_torch_integer_functions():
+    """Sizes from a kernel's ``//``, ``%`` and ``math.ceil(n / k)`` (the CPU LSTM's page rounding
+    made ``FloorDiv``) are evaluated exactly; the text output's regime search failed on them with
+    ``NameError: FloorDiv``."""
+    import sympy
+    from torch.utils._sympy.functions import CeilToInt, FloorDiv, IntTrueDiv, PythonMod
+
+    from memsim.analysis.peak import exact_values
+
+    B, S = sympy.symbols("B S", positive=True, integer=True)
+    exprs = [FloorDiv(512 * B * S + 4095, 4096), PythonMod(S, 8),
+             CeilToInt(IntTrueDiv(S, 32)) * 32]
+    f = exact_values(exprs, [B, S])
+    assert f(3, 41) == [(512 * 3 * 41 + 4095) // 4096, 41 % 8, 64]
