@@ -12,6 +12,10 @@ if "MEMSIM_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["MEMSIM_CACHE_DIR"] = tempfile.mkdtemp(prefix="memsim-test-cache-")
 
+# pytest-xdist already keeps every core busy: a trace's run B is traced in this process, not in
+# a forked child (memsim.tracer.trace._fork_traced; tests/test_fold.py turns it on to check it)
+os.environ.setdefault("MEMSIM_PARALLEL", "0")
+
 # MEMSIM_STRICT_DEPS=1 (set by .ci/run): a skip is a failure. Every test of the suite runs with
 # the `test` extra installed, so in CI a skip can only mean a declared dependency is missing or
 # broken (a QLoRA, 8-bit or ZeRO check that would otherwise vanish from a green run). Without

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -18,7 +21,7 @@ import torch
 
 from .config import StepConfig
 from .driver import Driver
-from . import fold
+from . import fold, progress
 from .errors import DataDependentError, InputError, MemsimError, SpecializationError
 from .records import Category, LeafRecord, Phase, RunRecord, Storage
 from .spec import TensorSpec, is_tensor_spec, make_spec, symbol
@@ -197,10 +200,13 @@ def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
     units = fold.TRACED_UNITS
     traced = (stack.layers(units), stack.layers(units + 1))
     try:
+        child = _fork_traced(model, stack, units + 1, specs, constants, config, hint_map, **kw)
         with fold.cut(model, stack, units):
             a = _traced(model, specs, constants, config, hint_map, **kw)
-        with fold.cut(model, stack, units + 1):
-            b = _traced(model, specs, constants, config, hint_map, **kw)
+        b = _joined(child)
+        if b is None:
+            with fold.cut(model, stack, units + 1):
+                b = _traced(model, specs, constants, config, hint_map, **kw)
         reason = None
         if (a.ranges, a.guards, a.hints) != (b.ranges, b.guards, b.hints):
             reason = "the cut runs take different code paths"
@@ -221,6 +227,64 @@ def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
         reason = f"a cut run failed: {e.message}"
     t = _traced(model, specs, constants, config, hint_map, **kw)
     return replace(t, folded=Folding(stack, traced, reason))
+
+
+def _parallel() -> bool:
+    """Whether run B may be traced in a forked process beside run A: Linux (fork is the
+    platform's own way there; macOS and Windows have none that is safe with torch), at least
+    two CPUs for this process, and not turned off (``MEMSIM_PARALLEL=0``)."""
+    if os.environ.get("MEMSIM_PARALLEL", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        return len(os.sched_getaffinity(0)) >= 2
+    except (AttributeError, OSError):  # pragma: no cover
+        return False
+
+
+def _fork_traced(model, stack, units, specs, constants, config, hint_map, **kw):
+    """Start tracing ``model`` with its stack cut to ``units`` units in a forked child (its
+    own copy of the model and of every module state), which sends back the pickled
+    :class:`Trace`; ``(pid, pipe)``, or None where it is not worth it or not possible (the
+    run is then traced here, after the other). The two runs are independent: each starts from
+    the same state (the fork happens before either), as when they run one after the other,
+    whose results do not depend on the other's either (tested: folded runs equal whole ones
+    with and without the child)."""
+    if not _parallel():
+        return None
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+    except OSError:  # pragma: no cover - out of processes or memory
+        return None
+    if pid:
+        os.close(w)
+        return pid, r
+    status = 1
+    try:  # the child: never returns
+        os.close(r)
+        with progress.listening(None), fold.cut(model, stack, units):
+            data = pickle.dumps(_traced(model, specs, constants, config, hint_map, **kw),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+        status = 0
+    except BaseException:  # noqa: BLE001 - the parent traces it again and raises there
+        pass
+    finally:
+        os._exit(status)
+
+
+def _joined(child) -> Trace | None:
+    """The trace a :func:`_fork_traced` child sent, or None (none started, or it failed)."""
+    if child is None:
+        return None
+    pid, r = child
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0 or not data:
+        return None
+    return pickle.loads(data)
 
 
 def _traced(model, specs, constants, config, hint_map, *, train, transform, driver,
