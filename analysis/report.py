@@ -30,6 +30,7 @@ import torch
 from memsim.tracer import (InputError, OutOfRangeError, SpecializationError, StepConfig,
                            TensorSpec, TraceError, is_tensor_spec, make_spec, trace)
 from memsim.tracer import hf
+from memsim.tracer.rnn_cuda import reserve_notes
 
 from .memory import ModuleSaved, StepMemory, module_savings, step_memory
 
@@ -389,7 +390,8 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
     report = Report(config, first.trace.symbols, tr_step, inf_step, tuple(modules), other,
                     fixed=dict(fixed or {}), notes=tuple(_compiled_notes(config, first)) + tuple(
                         dict.fromkeys(s.trace.folded.describe() for s in (tr_step, inf_step)
-                                      if s is not None and s.trace.folded is not None)),
+                                      if s is not None and s.trace.folded is not None)) + tuple(
+                        reserve_notes(tr_step.trace.run.ops) if tr_step is not None else ()),
                     retracer=Retracer(analyze, model, inputs, config, dict(
                         train=train, inference=inference, transform=transform, driver=driver)))
     return cross_guards(report) if explore else report

@@ -11,7 +11,11 @@ SEQ = {"x": ("float32", ["B", "S", 32])}
 
 
 def unrounded(e):
-    """A CUDA figure without the allocator's 512-byte block rounding: the tensors' own bytes."""
+    """A CUDA figure without the allocator's 512-byte block rounding (and a kernel's own
+    rounding of a size, ``CeilToInt``): the tensors' own bytes."""
+    from torch.utils._sympy.functions import CeilToInt, IntTrueDiv
+
+    e = e.replace(IntTrueDiv, lambda a, b: a / b).replace(CeilToInt, lambda x: x)
     return sympy.expand(e.replace(sympy.ceiling, lambda x: x))
 
 
@@ -80,3 +84,61 @@ def test_cuda_blocks_are_512_byte_multiples():
         assert r.at(B=b)["train"]["peak"] == blocks(128 * b) + blocks(16 * b) + 6 * 512
     assert [r.at(B=b)["train"]["peak"] for b in (2, 3, 100, 1000)] == [
         512 + 512 + 3072, 512 + 512 + 3072, 12_800 + 2_048 + 3072, 128_000 + 16_384 + 3072]
+
+
+class _Attention(torch.nn.Module):
+    """q, k, v made from the input by a parameter (so only attention's own tensors are saved
+    activations), an optional causal bool mask of shape (S, S), SDPA."""
+
+    def __init__(self, heads_kv: int = 4, mask: bool = True, gqa: bool = False):
+        super().__init__()
+        self.wq = torch.nn.Parameter(torch.ones(4, 1, 8))
+        self.wk = torch.nn.Parameter(torch.ones(heads_kv, 1, 8))
+        self.mask, self.gqa, self.hkv = mask, gqa, heads_kv
+
+    def forward(self, x):  # (B, 4, S, 8)
+        import torch.nn.functional as F
+        s = x.shape[2]
+        q, k = x * self.wq, x[:, :self.hkv] * self.wk
+        v = x[:, :self.hkv] * self.wk
+        m = torch.ones(s, s, dtype=torch.bool).tril() if self.mask else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=self.gqa)
+
+
+HEADS = {"x": ("float32", ["B", 4, "S", 8])}
+
+
+def _saved(model, point, precision="32-true"):
+    with torch.device("meta"):
+        m = model()
+    r, p = analyze(m, HEADS, device="cuda", inference=False, precision=precision).for_point(point)
+    return r.at(**p)["train"]["saved_activations"]
+
+
+def test_sdpa_with_a_mask_runs_memory_efficient_attention():
+    """CUDA picks memory-efficient attention for a mask (flash takes none): it saves q, k, v, the
+    output, a float32 log-sum-exp of (B, H, 32 * ceil(S / 32)) (``_efficient_attention_forward``)
+    and the additive mask made from the bool one (``convert_boolean_attn_mask``), padded to a
+    multiple of 8 columns where a row is not 8-aligned (``preprocess_mask``). The math path would
+    keep (B, H, S, S) probabilities. Expected bytes from those shapes, in 512-byte blocks."""
+    blocks = lambda n: 512 * -(-n // 512)  # noqa: E731
+    for b, s in ((2, 16), (3, 40), (2, 9), (3, 21)):
+        qkv_out = 4 * blocks(b * 4 * s * 8 * 4)
+        lse = blocks(b * 4 * 32 * -(-s // 32) * 4)
+        cols = s if s % 8 == 0 else s + 8 - s % 8
+        mask = blocks(s * cols * 4)
+        assert _saved(lambda: _Attention(mask=True), {"B": b, "S": s}) == qkv_out + lse + mask
+
+
+def test_sdpa_fp32_grouped_query_heads_take_the_math_path():
+    """fp32 rules flash out and grouped-query heads memory-efficient attention, so CUDA runs the
+    math path (Hugging Face passes ``enable_gqa`` without a mask): the (B, H, S, S) float32
+    probabilities are saved; in bf16 flash takes the call and saves none."""
+    S = sympy.Symbol("S", positive=True, integer=True)
+    with torch.device("meta"):
+        m = _Attention(heads_kv=2, mask=False, gqa=True)
+    fp32 = analyze(m, HEADS, device="cuda", inference=False).train.saved_activations
+    bf16 = analyze(m, HEADS, device="cuda", inference=False,
+                   precision="bf16-mixed").train.saved_activations
+    assert sympy.degree(unrounded(fp32), S) == 2
+    assert sympy.degree(unrounded(bf16), S) == 1

@@ -88,6 +88,9 @@ def _traces():
     analyze(lstm, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
     # nn.GRU on CPU, its C++ loop issued from Python (S fixed: the loop pins it)
     analyze(gru, {"x": ("float32", ["B", 4, 8])}, device="cpu", inference=False)
+    # nn.LSTM and nn.GRU on CUDA: cuDNN's tensors, its reserve estimated
+    analyze(lstm, {"x": ("float32", ["B", "S", 8])}, device="cuda", inference=False)
+    analyze(gru, {"x": ("float32", ["B", "S", 8])}, device="cuda", inference=False)
     # F.interpolate by scale, and the resize kernels whose meta kernels need concrete sizes
     for mode, dims in (("nearest", 1), ("nearest", 3), ("nearest-exact", 1), ("nearest-exact", 3),
                        ("linear", 1), ("bilinear", 2), ("bicubic", 2), ("trilinear", 3)):

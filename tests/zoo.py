@@ -292,3 +292,53 @@ class TwoGuards(nn.Module):
         if x.shape[0] >= 64:
             x = x.contiguous()
         return self.lin(x)
+
+
+class RNNSum(nn.Module):
+    """Token embeddings into ``nn.LSTM`` or ``nn.GRU`` (batch first), the output summed: the
+    loss reads the output only, so the final states' gradients are cuDNN's zeros."""
+
+    def __init__(self, kind: str = "LSTM", vocab: int = 50, d: int = 16, hidden: int = 24,
+                 layers: int = 1, bidirectional: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.rnn = getattr(nn, kind)(d, hidden, num_layers=layers, batch_first=True,
+                                     bidirectional=bidirectional)
+
+    def forward(self, x):  # (B, S) token ids
+        return self.rnn(self.emb(x))[0].sum()
+
+
+_COMPILED_FLEX = []
+
+
+def compiled_flex_attention():
+    """``torch.compile(flex_attention, dynamic=True)``, made once: a real run compiles it once
+    for every size (memsim's trace compiles nothing)."""
+    if not _COMPILED_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=True))
+    return _COMPILED_FLEX[0]
+
+
+class CompiledFlexAttention(nn.Module):
+    """Self-attention through ``torch.compile(flex_attention)``, FlexAttention's documented use
+    (Inductor's fused kernel), with a causal ``score_mod`` and head dimension 16 (the least the
+    CUDA kernel takes); ``kv_heads`` below ``heads`` is grouped-query attention."""
+
+    def __init__(self, d: int = 64, heads: int = 4, kv_heads: int = 4):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * kv_heads * self.hd)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):  # (B, S, d)
+        def causal(score, b, h, q_idx, kv_idx):
+            return torch.where(q_idx >= kv_idx, score, -float("inf"))
+        b, s, d = x.shape
+        q = self.q(x).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
+        y = compiled_flex_attention()(q, k, v, score_mod=causal,
+                                      enable_gqa=self.kv_heads != self.heads)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))

@@ -49,6 +49,7 @@ def function_rules(device: str):
     """Inside: functions with a rule for ``device`` run as the rule says (and FlexAttention as
     eager PyTorch runs it there: :func:`flex_attention_eager`)."""
     from . import cuda  # noqa: F401  (registers CUDA's kernel choices)
+    from . import rnn_cuda  # noqa: F401  (nn.LSTM / nn.GRU as cuDNN runs them)
 
     with FunctionRules(device), flex_attention_eager(device):
         yield
@@ -104,18 +105,27 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
 
 @contextlib.contextmanager
 def flex_attention_eager(device: str):
-    """FlexAttention as eager PyTorch runs it on ``device``: the unfused implementation (the
+    """FlexAttention as PyTorch runs it on ``device``. Eagerly: the unfused implementation (the
     HOP's dense forward and backward, which materialize the (B, H, S, S) scores), called
     directly rather than through the ``torch.compile(backend="eager")`` wrapper eager mode
     uses (the same ops; no compile inside a trace). Fake tensors live on the CPU, where
     PyTorch refuses FlexAttention's backward (a real CPU run does too); for ``cuda`` the
-    device check is the modelled device's."""
+    device check and the kernel options are the modelled device's. A call that ``torch.compile`` compiles with
+    Inductor (``torch.compile(flex_attention)``, Hugging Face's wrapper) runs the fused
+    kernel's buffers instead (:mod:`memsim.tracer.flex`)."""
     try:
         import torch.nn.attention.flex_attention as fa
     except ImportError:  # pragma: no cover - older torch
         yield
         return
+    import types
+
+    from . import flex
+
     check, debug = fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    call, empty_mask = fa.flex_attention_hop, fa._create_empty_block_mask
+    options = fa._apply_kernel_options
+    modelled = types.SimpleNamespace(device=torch.device(device))
     hop = sys.modules.get("torch._higher_order_ops.flex_attention")
     create = getattr(hop, "create_fw_bw_graph", None)
 
@@ -129,22 +139,37 @@ def flex_attention_eager(device: str):
         # storages, no memory) and the graphs' node.meta["val"] keep those alive. Under
         # memsim's fake mode every tensor made there is fake and would be counted, and kept
         # for the whole step where a node holds it (scalar_tensor of where's -inf).
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-        from .recorder import Recorder
-
-        rec = next((m for m in reversed(_get_current_dispatch_mode_stack())
-                    if isinstance(m, Recorder)), None)
+        rec = flex.recorder()
         with rec.paused() if rec is not None else contextlib.nullcontext():
             return create(*args, **kwargs)
 
+    def apply_options(query, key, value, *args, **kwargs):
+        # the kernel options of the modelled device (on CUDA the log-sum-exp is written with
+        # grad enabled, and max scores can be returned): only the inputs' device is read
+        return options(modelled, modelled, modelled, *args, **kwargs)
+
+    def call_hop(*args, **kwargs):
+        if flex.inductor_compiled():
+            return flex.compiled_flex_attention(device, call, *args, **kwargs)
+        return call(*args, **kwargs)
+
+    def empty_block_mask(query, key):
+        if flex.inductor_compiled():
+            return flex.empty_block_mask(empty_mask, query, key)
+        return empty_mask(query, key)
+
     fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = validate, True
+    fa.flex_attention_hop, fa._create_empty_block_mask = call_hop, empty_block_mask
+    fa._apply_kernel_options = apply_options
     if create is not None:
         hop.create_fw_bw_graph = create_apart
     try:
-        yield
+        with flex.dynamo_unmarked():
+            yield
     finally:
         fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = check, debug
+        fa.flex_attention_hop, fa._create_empty_block_mask = call, empty_mask
+        fa._apply_kernel_options = options
         if create is not None:
             hop.create_fw_bw_graph = create
 

@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
+from torch.utils._sympy.functions import CeilToInt, IntTrueDiv
 
 from . import progress
 from .records import Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage, TensorMeta
@@ -78,9 +79,15 @@ def real_meshes(wrap=None):
 
 
 def as_expr(value) -> sympy.Expr:
-    """A SymInt / int as a sympy expression, without adding guards."""
+    """A SymInt / int as a sympy expression, without adding guards. A kernel's ``math.ceil(n /
+    k)`` (torch's ``CeilToInt(IntTrueDiv(n, k))``) becomes sympy's ``ceiling(n / k)``, which
+    sympy knows to be a positive integer for positive ``n`` (so that ``Max(1, 32 * ceiling(S /
+    32))`` simplifies and equal sizes compare equal)."""
     if isinstance(value, torch.SymInt):
-        return value.node.expr
+        expr = value.node.expr
+        if expr.has(CeilToInt):
+            expr = expr.replace(IntTrueDiv, lambda a, b: a / b).replace(CeilToInt, sympy.ceiling)
+        return expr
     return sympy.Integer(int(value))
 
 
@@ -454,7 +461,10 @@ def _flex_attention_hops() -> None:
     """FlexAttention's higher-order ops, run under the recorder as eager PyTorch runs them
     without torch.compile: the unfused forward and backward (``sdpa_dense``,
     ``sdpa_dense_backward``), whose ops the recorder sees one by one. (A mode with no rule for
-    a higher-order op fails with PyTorch's message naming the mode's object.)"""
+    a higher-order op fails with PyTorch's message naming the mode's object.) A call that
+    torch.compile compiles with Inductor never reaches them: it allocates the fused kernels'
+    buffers instead (:mod:`memsim.tracer.flex`); under ``--compiled`` the op nodes of the
+    compiled graphs still run here, unfused."""
     import importlib
     try:  # the module (the package re-exports the operator under the module's name)
         importlib.import_module("torch._higher_order_ops.flex_attention")
