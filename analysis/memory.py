@@ -330,7 +330,7 @@ def depth_peak(step: StepMemory) -> DepthPeak | None:
     # blocks = prefix + period * (units of the pair + extra - 1)
     units = (depth - st.prefix) / st.period
     to_depth = {extra: sympy.expand(units - f.units)}
-    out = [replace(c, expr=sympy.expand(c.expr.xreplace(to_depth)), terms=None) for c in cands]
+    out = [Candidate(sympy.expand(c.expr.xreplace(to_depth)), c.event, c.label) for c in cands]
     return DepthPeak(depth, as_max(out), st.layers(f.units + 1), out)
 
 

@@ -17,7 +17,6 @@ unevaluated ``Max`` whose arguments are the distinct regimes of the peak.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Iterable, Sequence
 
@@ -27,16 +26,36 @@ import sympy
 from .search import last_true
 
 
-@dataclass(frozen=True)
 class Candidate:
     """A possible peak: its bytes (sympy), the event index where it is reached, and a label.
     ``terms``: ``expr`` as ``{monomial: coefficient}`` where known (the running sum's own;
-    saves expanding ``expr`` again)."""
+    saves expanding ``expr`` again). Given ``terms``, ``expr`` may be None: it is built on
+    first use (a run emits thousands of candidates, of which pruning keeps a few)."""
 
-    expr: sympy.Expr
-    event: int
-    label: object
-    terms: dict | None = field(default=None, compare=False, repr=False)
+    __slots__ = ("_expr", "event", "label", "terms")
+
+    def __init__(self, expr: sympy.Expr | None, event: int, label: object,
+                 terms: dict | None = None):
+        if expr is None and terms is None:
+            raise ValueError("a candidate needs its bytes: expr or terms")
+        self._expr, self.event, self.label, self.terms = expr, event, label, terms
+
+    @property
+    def expr(self) -> sympy.Expr:
+        if self._expr is None:
+            self._expr = sympy.Add(*[c * m for m, c in self.terms.items() if c])
+        return self._expr
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Candidate):
+            return NotImplemented
+        return (self.event, self.label, self.expr) == (other.event, other.label, other.expr)
+
+    def __hash__(self) -> int:
+        return hash((self.event, self.expr))
+
+    def __repr__(self) -> str:
+        return f"Candidate(expr={self.expr}, event={self.event}, label={self.label!r})"
 
 
 class PolyBasis:
@@ -62,9 +81,6 @@ class PolyBasis:
             self._cache[expr] = got
         return got
 
-    def expr(self, coeffs: dict[sympy.Expr, int]) -> sympy.Expr:
-        return sympy.Add(*[c * m for m, c in coeffs.items() if c])
-
 
 def running_peaks(events: Iterable, size: Callable[[int], dict | None], basis: PolyBasis,
                   start: int, label: Callable[[int], object]) -> list[Candidate]:
@@ -84,7 +100,7 @@ def running_peaks(events: Iterable, size: Callable[[int], dict | None], basis: P
         if key not in seen:
             seen.add(key)
             terms = dict(key)
-            out.append(Candidate(basis.expr(terms), i, label(i), terms))
+            out.append(Candidate(None, i, label(i), terms))
 
     for i, (sign, sid) in enumerate(events):
         if i == start:
