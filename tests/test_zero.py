@@ -221,22 +221,21 @@ def test_zero_offload_splits_device_and_host_on_gpu():
                         stage3_prefetch_bucket_size=10_000, stage3_param_persistence_threshold=100),
               inference=False, optimizer=lambda ps: torch.optim.AdamW(ps))
     gpu = strategy_analyze(m, LM, device="cuda", **kw)
-    one = strategy_analyze(m, LM, device="cpu", **kw)
-    g, c = gpu.at(B=2, S=16)["train"], one.at(B=2, S=16)["train"]
+    g = gpu.at(B=2, S=16)["train"]
     host = int(gpu.strategy["host_bytes"])
-    # the real CPU run's figures (test_zero_matches_real_deepspeed_run[llama-z3-fp32-offload]):
-    # gradients 2 x 180,864 (the reduced partition buffer and the fp32 partition's .grad)
-    assert (c["peak"], c["parameters"], c["gradients"]) == (1_899_801, 182_144, 2 * 180_864)
-    # Llama (hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 128, lm_head untied):
-    # embed 128*64 + 2 * (q 64*64 + k, v 64*32 + o 64*64 + 3 * 64*128 + 2 norms of 64)
-    # + norm 64 + lm_head 128*64 = 8,192 + 2 * 36,992 + 64 + 8,192 = 90,432 elements, every
-    # tensor even, so ZeRO-3 gives each of the 2 ranks 45,216; on it the offloaded optimizer
-    # keeps fp32 masters and AdamW's 2 moments, 3 * 4 * 45,216 = 542,592 bytes, and AdamW's
-    # one float32 step counter (one flat group), 4
-    assert g["optimizer_states"] == 0 and c["optimizer_states"] == 3 * 4 * 45_216 + 4
+    # The CPU analysis of the same step equals the real CPU run in every figure
+    # (test_zero_matches_real_deepspeed_run[llama-z3-fp32-offload], traced there and not again
+    # here): gradients 2 x 180,864 (the reduced partition buffer and the fp32 partition's
+    # .grad); optimizer states: Llama (hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads,
+    # vocab 128, lm_head untied): embed 128*64 + 2 * (q 64*64 + k, v 64*32 + o 64*64 + 3 *
+    # 64*128 + 2 norms of 64) + norm 64 + lm_head 128*64 = 90,432 elements, every tensor even,
+    # so ZeRO-3 gives each of the 2 ranks 45,216; on it the offloaded optimizer keeps fp32
+    # masters and AdamW's 2 moments, 3 * 4 * 45,216 bytes, and one float32 step counter, 4
+    c = {"peak": 1_899_801, "parameters": 182_144, "gradients": 2 * 180_864,
+         "optimizer_states": 3 * 4 * 45_216 + 4}
+    assert g["optimizer_states"] == 0
     assert host >= c["optimizer_states"]
     assert g["peak"] < c["peak"] < g["peak"] + host
-    assert "host_bytes" not in one.strategy
     assert torch.nn.functional.linear is LINEAR  # a later analysis traces torch's linear
     # the caching allocator replay of DeepSpeed's loop runs its traced warm-up steps first;
     # with expandable segments (every block split to its request) the measured step's
