@@ -48,8 +48,7 @@ def _recorder():
                  if isinstance(m, Recorder)), None)
 
 
-def _backend(query, key, value, mask: bool, dropout_p: float, is_causal: bool,
-             gqa: bool) -> str:
+def _backend(query, key, value, mask: bool, is_causal: bool, gqa: bool) -> str:
     """The kernel CUDA's ``select_sdp_backend`` (``sdp_utils.cpp``) picks on an sm80+ GPU in its
     default order flash, memory-efficient, math: ``"flash"``, ``"efficient"`` or ``"math"``.
 
@@ -119,12 +118,13 @@ def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
         query, key, value, attn_mask = (
             t.to(low) if t is not None and t.is_floating_point() else t
             for t in (query, key, value, attn_mask))
-    backend = _backend(query, key, value, attn_mask is not None, dropout_p, is_causal, gqa)
+    backend = _backend(query, key, value, attn_mask is not None, is_causal, gqa)
     if backend == "flash":
         if gqa:
             return None  # the CPU's own choice, flash with grouped-query heads, saves the same
         # the CPU flash kernel saves what CUDA's does: the output and a (B, H, S) fp32
-        # log-sum-exp (a fake tensor cannot run CUDA's flash op without its rng-state tensor)
+        # log-sum-exp (CUDA's own op, whose meta kernel also makes a (2,) rng-state tensor on
+        # the device, is not used: where CUDA keeps that state is not checked)
         out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, scale=scale)
         return out
