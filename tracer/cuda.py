@@ -38,16 +38,6 @@ def _native_dropout(input, p=0.5, training=True, inplace=False):
     return out
 
 
-def _recorder():
-    """The memsim Recorder running this call, if any."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from .recorder import Recorder
-
-    return next((m for m in reversed(_get_current_dispatch_mode_stack())
-                 if isinstance(m, Recorder)), None)
-
-
 def _backend(query, key, value, mask: bool, is_causal: bool, gqa: bool) -> str:
     """The kernel CUDA's ``select_sdp_backend`` (``sdp_utils.cpp``) picks on an sm80+ GPU in its
     default order flash, memory-efficient, math: ``"flash"``, ``"efficient"`` or ``"math"``.
@@ -138,7 +128,9 @@ def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
         # _efficient_attention_forward makes the philox seed and offset 0-d int64 tensors in
         # host memory (at::empty({}, at::dtype(at::kLong)) without a device; with dropout
         # at::scalar_tensor, also on the host): not device memory
-        rec = _recorder()
+        from .recorder import current
+
+        rec = current()
         if rec is not None:
             rec.set_host(seed)
             rec.set_host(offset)

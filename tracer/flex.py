@@ -135,16 +135,6 @@ def dynamo_unmarked():
             codes.seen[:] = kept
 
 
-def recorder():
-    """The innermost memsim :class:`~memsim.tracer.recorder.Recorder` on the dispatch mode
-    stack, or None."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from .recorder import Recorder
-    return next((m for m in reversed(_get_current_dispatch_mode_stack())
-                 if isinstance(m, Recorder)), None)
-
-
 def empty_block_mask(eager, query: torch.Tensor, key: torch.Tensor):
     """``_create_empty_block_mask`` (torch/nn/attention/flex_attention.py; ``eager``) as a
     compiled graph keeps it: at inference the forward kernel reads the key-side block tensors
@@ -354,7 +344,9 @@ def compiled_flex_attention(device: str, hop, query, key, value, score_mod, bloc
     """The FlexAttention higher-order op as Inductor's fused kernel runs it on ``device``:
     ``(out, logsumexp, max_scores)`` (the statistics None where the call does not return
     them). Without a memsim recorder, ``hop`` runs as it is."""
-    rec = recorder()
+    from .recorder import current
+
+    rec = current()
     if rec is None or rec._paused:  # not memsim's run (or a compiler tracing: --compiled)
         return hop(query, key, value, score_mod, block_mask, scale, kernel_options,
                    score_mod_other_buffers, mask_mod_other_buffers)

@@ -48,8 +48,7 @@ class FunctionRules(TorchFunctionMode):
 def function_rules(device: str):
     """Inside: functions with a rule for ``device`` run as the rule says (and FlexAttention as
     eager PyTorch runs it there: :func:`flex_attention_eager`)."""
-    from . import cuda  # noqa: F401  (registers CUDA's kernel choices)
-    from . import rnn_cuda  # noqa: F401  (nn.LSTM / nn.GRU as cuDNN runs them)
+    from . import cuda, rnn_cuda  # noqa: F401  (register CUDA's kernel choices, cuDNN's RNNs)
 
     with FunctionRules(device), flex_attention_eager(device):
         yield
@@ -139,7 +138,9 @@ def flex_attention_eager(device: str):
         # storages, no memory) and the graphs' node.meta["val"] keep those alive. Under
         # memsim's fake mode every tensor made there is fake and would be counted, and kept
         # for the whole step where a node holds it (scalar_tensor of where's -inf).
-        rec = flex.recorder()
+        from .recorder import current
+
+        rec = current()
         with rec.paused() if rec is not None else contextlib.nullcontext():
             return create(*args, **kwargs)
 

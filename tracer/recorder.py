@@ -11,18 +11,17 @@ The same pass records each op (inputs, outputs, module path, phase) for the fx /
 
 from __future__ import annotations
 
-import sys
-
 import contextlib
 import functools
+import sys
 import weakref
 
 import sympy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakTensorKeyDictionary
 from torch.utils._sympy.functions import CeilToInt, IntTrueDiv
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import progress
 from .records import Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage, TensorMeta
@@ -89,6 +88,15 @@ def as_expr(value) -> sympy.Expr:
             expr = expr.replace(IntTrueDiv, lambda a, b: a / b).replace(CeilToInt, sympy.ceiling)
         return expr
     return sympy.Integer(int(value))
+
+
+def current() -> Recorder | None:
+    """The innermost memsim :class:`Recorder` on the dispatch mode stack (the run a rule or a
+    patched library function is called from), or None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return next((m for m in reversed(_get_current_dispatch_mode_stack())
+                 if isinstance(m, Recorder)), None)
 
 
 class Recorder(TorchDispatchMode):
