@@ -286,10 +286,11 @@ class Report:
                      "run): size-1 dimensions and other code paths differ in PyTorch")
         out: dict = {}
         if self.train is not None:
-            out["train"] = {f: self.train.evaluate(getattr(self.train, f), point)
-                            for f in TRAIN_FIELDS}
+            self.train.check_point(point)
+            out["train"] = {f: self.train.value(f, point) for f in TRAIN_FIELDS}
         if self.inference is not None:
-            out["inference"] = {"peak": self.inference.evaluate(self.inference.peak, point)}
+            self.inference.check_point(point)
+            out["inference"] = {"peak": self.inference.value("peak", point)}
         return out
 
 

@@ -6,7 +6,8 @@ Llama-3.1-405B configs built on the meta device (no weights). Run on demand (not
                                [--peer-points N] [--sweep MODEL] [--strategies]
 
 Every measurement is a process of its own: wall time from start to exit (imports included) and
-its peak RSS. Both sides model the same step on the CPU (the peer's kernels): SGD with
+its peak RSS; each child leaves with ``os._exit`` once its answer is printed, as the ``memsim``
+command does (tearing a large heap down object by object takes about a second). Both sides model the same step on the CPU (the peer's kernels): SGD with
 momentum (MemTracker under a plain FakeTensorMode cannot take AdamW's ``.item()``), the
 training step only, the peak of the second step.
 
@@ -153,8 +154,10 @@ def main() -> None:
         kind, name, *rest = args.child
         got = child_memsim(name, rest[0] if rest else "") if kind == "memsim" else \
             child_peer(name, int(rest[0]), int(rest[1]))
-        print(json.dumps(got))
-        return
+        print(json.dumps(got), flush=True)
+        # out without tearing the heap down object by object, as the memsim command leaves
+        # (memsim.entry.script): the same for both sides
+        os._exit(0)
     rows = []
     for name in args.models.split(","):
         mine, wall, rss = run_child("memsim", name)

@@ -106,11 +106,12 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         shown = classes[0][0]
     else:
         reports = {r: traced(r) for r in ranks.sampled}
+        heads = {c[0]: c for c in ranks.classes}
         groups: dict[str, list[int]] = {}
         for r, rep in reports.items():
             groups.setdefault(str(rep.train.peak if rep.train else rep.inference.peak),
-                              []).append(r)
-        classes = tuple(tuple(g) for g in groups.values())
+                              []).extend(heads.get(r, (r,)))
+        classes = tuple(tuple(sorted(g)) for g in groups.values())
         shown = max(reports, key=lambda r: (_at_hints(reports[r]), -r))
     info = RankInfo(world_size(given), classes, tuple(reports), shown, reports[shown])
     notes = [n for item in plan.notes for n in ([item] if isinstance(item, str) else item(info))]

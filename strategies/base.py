@@ -91,7 +91,8 @@ class Ranks:
     ``fn(sizes) -> classes`` from the sizes rank 0's trace ran at (the example size of every
     symbol, the fixed ones, the inputs' integer dimensions); each class is traced, and classes
     whose figures are the same formulas merge. ``sampled``: ranks traced and then grouped by
-    their peak formula, the largest peak at the example sizes shown (DeepSpeed's partitions).
+    their peak formula, the largest peak at the example sizes shown (DeepSpeed's partitions);
+    with ``classes`` too, each sampled rank stands for the class it heads (DeepSpeed's stage 3).
     """
 
     world: int = 1

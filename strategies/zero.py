@@ -85,6 +85,30 @@ class ZeRO(Strategy):
             return tuple(range(world))
         return tuple(sorted({0, 1, world - 2, world - 1}))
 
+    def partition_classes(self, model: torch.nn.Module, world: int
+                          ) -> tuple[tuple[int, ...], ...] | None:
+        """Stage 3: the ranks grouped by the data their partitions hold, or None (stages 1
+        and 2, whose flat groups split parameters where the rank's boundaries fall).
+
+        Stage 3 partitions each parameter on its own: every rank holds ``ceil(numel / world)``
+        elements of it, padded, and copies, reduces and steps the same buffers; the one thing
+        that depends on the rank is how much of its partition is real data (a rank past the
+        end of a small parameter skips its gradient, ``partition_grads``). Ranks whose
+        partitions hold the same amount of every parameter run the same allocations, so one
+        of each group is traced (``tests/test_zero.py`` checks the grouping against every
+        rank of real runs)."""
+        if self.stage != 3:
+            return None
+        lengths = []
+        for p in dict.fromkeys(model.parameters()):
+            n = p.numel()
+            lengths.append((n, -(-n // world)))
+        groups: dict[tuple, list[int]] = {}
+        for r in range(world):
+            key = tuple(min(size, max(0, n - r * size)) for n, size in lengths)
+            groups.setdefault(key, []).append(r)
+        return tuple(tuple(g) for g in groups.values())
+
     def describe(self):
         out = super().describe()
         out.pop("traced_ranks")
@@ -115,20 +139,31 @@ class ZeRO(Strategy):
         fused = config.optimizer is None and gpu
         if fused:  # DeepSpeed's FusedAdam (its AdamW on a GPU) updates in place, as this does
             config = config.replace(optimizer=fused_adamw)
-        traced = self.ranks_traced(world)
+        classes = self.partition_classes(plan.model, world) if tp is None else None
+        traced = (tuple(c[0] for c in classes) if classes is not None else
+                  self.ranks_traced(world))
 
         def note(info):
             autotp = f" with its AutoTP over {t} tensor-parallel ranks" if tp is not None else ""
-            which = ("every rank traced" if len(traced) == world else
-                     f"ranks {', '.join(map(str, traced))} of {world} traced (the others' peaks "
-                     f"are not known; ZeRO(traced_ranks={world}) traces all)")
+            if len(traced) == world:
+                which = "every rank traced"
+            elif classes is not None:
+                which = (f"{len(traced)} of {world} ranks traced, one for each group whose "
+                         "partitions hold the same amount of every parameter (a stage-3 rank "
+                         "runs the same allocations as the others of its group)")
+            else:
+                which = (f"ranks {', '.join(map(str, traced))} of {world} traced (the others' "
+                         f"peaks are not known; ZeRO(traced_ranks={world}) traces all)")
+            if len(info.classes) > 1:
+                equal = (f"ranks differ (where ZeRO's partition boundaries fall): the figures "
+                         f"shown are rank {info.shown}'s, the largest peak at the example sizes; "
+                         "\"ranks\" lists them all")
+            else:
+                equal = ("ranks are equal" if classes is not None or len(traced) == world
+                         else "the traced ranks are equal")
             yield (f"per-rank figures, traced with DeepSpeed's own ZeRO-{self.stage} engine"
                    f"{autotp} (deepspeed.initialize on a fake process group of {world}), "
-                   f"{which}; "
-                   + (f"ranks differ (where ZeRO's partition boundaries fall): the figures "
-                      f"shown are rank {info.shown}'s, the largest peak at the example sizes; "
-                      "\"ranks\" lists them all" if len(info.classes) > 1 else
-                      "the traced ranks are equal") + "; the "
+                   f"{which}; {equal}; the "
                    + ("optimizer is DeepSpeed's FusedAdam, traced as torch's fused AdamW (both "
                       "update in place, no step temporaries; not measured on a GPU)" if fused
                       else "client optimizer is the one given (torch's AdamW by default)")
@@ -152,7 +187,8 @@ class ZeRO(Strategy):
 
         return plan.but(config=config, notes=(note,), host=host,
                         driver=lambda rank: DeepSpeedDriver(ds_config, world, rank, gpu),
-                        ranks=Ranks(world=world, sampled=traced))
+                        ranks=Ranks(world=world, sampled=traced,
+                                    classes=classes or Ranks.classes))
 
 
 def fused_adamw(params):

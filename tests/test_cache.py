@@ -78,3 +78,22 @@ def test_cache_location_follows_the_platform(monkeypatch, platform, env, want):
     assert entry.cache_dir() == want
     monkeypatch.setenv("MEMSIM_CACHE_DIR", "/elsewhere")
     assert entry.cache_dir() == "/elsewhere"
+
+
+def test_the_console_script_flushes_and_exits_with_the_commands_code(tmp_path):
+    """``memsim.entry.script`` (the installed command) leaves with ``os._exit``: what it printed
+    reaches a pipe whole, and the exit code is the command's."""
+    def script(*argv):
+        code = "import sys\nfrom memsim.entry import script\nsys.argv[1:] = %r\nscript()" % (
+            list(argv),)
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, cwd=tmp_path)
+
+    ok = script("gpus")
+    direct = subprocess.run([sys.executable, "-c", "from memsim.entry import main; main(['gpus'])"],
+                            capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    assert ok.returncode == 0 and ok.stdout == direct.stdout and "h100" in ok.stdout.lower()
+    bad = script("analyze", "missing.py:model", "--input", "x=float32[B,8]", "--no-cache")
+    assert bad.returncode == 2 and "no such file: missing.py" in bad.stderr

@@ -39,7 +39,7 @@ def test_distribution_installs_only_memsim(tmp_path):
         assert f.split("/")[0].removesuffix(".py") not in BARE, f"installed file {f}"
     for mapping in got["maps"]:
         assert all(name == "memsim" or name.startswith("memsim.") for name in mapping), mapping
-    assert got["script"] == "memsim.entry:main"  # the answer cache, then memsim.cli
+    assert got["script"] == "memsim.entry:script"  # the answer cache, then memsim.cli
 
 
 def test_bare_names_are_not_importable_outside_the_checkout(tmp_path):
