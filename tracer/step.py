@@ -44,6 +44,7 @@ from .errors import (
     DataDependentError,
     InputError,
     MemsimError,
+    StrategyError,
     TraceError,
     UnsupportedOpError,
     did_you_mean,
@@ -320,7 +321,10 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
             step = _driven if driven else _plain if train else _inference
             # what the step holds (its output, the loss, the optimizer) lives past the end of
             # the recording, as a training loop holds it to the end of the step
-            held = step(stack, recorder, model, inputs, constants, config, driver)
+            try:
+                held = step(stack, recorder, model, inputs, constants, config, driver)
+            except RuntimeError as e:   # named while the parameters are the run's
+                raise _mixed_dtensors(e, model) or e
             record = recorder.finish()
             record.specialized = list(recorder.specialized)
             del held
@@ -332,6 +336,28 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     finally:
         model.train(was_training)
     return record, shape_env, symbols
+
+
+def _mixed_dtensors(err: BaseException, model) -> MemsimError | None:
+    """The optimizer's foreach update over parameters a tensor-parallel plan left unsharded
+    (DTensor refuses a list mixing both): a real CUDA run fails the same way."""
+    if "got mixed torch.Tensor and DTensor" not in str(err):
+        return None
+    from torch.distributed.tensor import DTensor
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if not plain:
+        return None
+    op = str(err).split(" got mixed", 1)[0].strip()
+    names = ", ".join(repr(n) for n in plain[:3]) + (f" and {len(plain) - 3} more"
+                                                     if len(plain) > 3 else "")
+    return StrategyError(
+        f"{op} fails in the optimizer step: it updates its parameters with foreach ops, and the tensor-"
+        f"parallel plan leaves {names} plain tensors beside its DTensors; a real run fails "
+        "the same way (torch picks the foreach update on CUDA, and DTensor refuses a list that "
+        "mixes both)",
+        hint="give an optimizer built with foreach=False (Python: optimizer=lambda p: "
+             "torch.optim.AdamW(p, foreach=False); the command: register_optimizer(...) in "
+             "your module), or make every parameter a DTensor (FSDP with TP: --fsdp)")
 
 
 def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, config, hints,
