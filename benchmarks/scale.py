@@ -6,8 +6,9 @@ Llama-3.1-405B configs built on the meta device (no weights). Run on demand (not
                                [--peer-points N] [--sweep MODEL] [--strategies]
 
 Every measurement is a process of its own: wall time from start to exit (imports included) and
-its peak RSS; each child leaves with ``os._exit`` once its answer is printed, as the ``memsim``
-command does (tearing a large heap down object by object takes about a second). Both sides model the same step on the CPU (the peer's kernels): SGD with
+its peak RSS; each child keeps the cycle collector off until its model is built, then freezes
+what exists (``gc.freeze``), and leaves with ``os._exit`` once its answer is printed, as the
+``memsim`` command does (``memsim.entry.script``); the same for both sides. Both sides model the same step on the CPU (the peer's kernels): SGD with
 momentum (MemTracker under a plain FakeTensorMode cannot take AdamW's ``.item()``), the
 training step only, the peak of the second step.
 
@@ -78,11 +79,20 @@ def points(name: str) -> list[tuple[int, int]]:
 
 
 # -- the children -------------------------------------------------------------------------------
+def settle() -> None:
+    """As the memsim command does once its model is built (memsim.entry.settle; the children
+    start with the cycle collector off): the same for both sides."""
+    import gc
+    gc.freeze()
+    gc.enable()
+
+
 def child_memsim(name: str, strategy: str) -> dict:
     sys.path.insert(0, ROOT)
     from memsim.strategies import FSDP, ZeRO
     from memsim.strategies.api import analyze
     model = build(name)
+    settle()
     kw = {"fsdp": dict(fsdp=FSDP(8)), "zero3": dict(zero=ZeRO(3, dp=8))}.get(strategy, {})
     t0 = time.perf_counter()
     report = analyze(model, {"input_ids": ("int64", ["B", "S"]),
@@ -105,6 +115,7 @@ def child_peer(name: str, b: int, s: int) -> dict:
     t0 = time.perf_counter()
     with FakeTensorMode():
         model = build(name, meta=False)
+        settle()
         opt = sgd(model.parameters())
         mt = MemTracker()
         mt.track_external(model, opt)
@@ -151,6 +162,8 @@ def main() -> None:
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        import gc
+        gc.disable()   # until the model is built, as in the memsim command (settle)
         kind, name, *rest = args.child
         got = child_memsim(name, rest[0] if rest else "") if kind == "memsim" else \
             child_peer(name, int(rest[0]), int(rest[1]))

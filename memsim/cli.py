@@ -29,6 +29,13 @@ from .render import budget_text, to_json, to_text
 
 def load_target(target: str) -> torch.nn.Module:
     """Import ``file.py:NAME`` or ``package.module:NAME`` and build the module on meta."""
+    model = _load_target(target)
+    from .entry import settle
+    settle()
+    return model
+
+
+def _load_target(target: str) -> torch.nn.Module:
     if ":" not in target:
         raise UsageError(f"target {target!r} has no ':NAME'",
                          hint="write path/to/file.py:NAME or package.module:NAME")

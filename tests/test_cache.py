@@ -97,3 +97,21 @@ def test_the_console_script_flushes_and_exits_with_the_commands_code(tmp_path):
     assert ok.returncode == 0 and ok.stdout == direct.stdout and "h100" in ok.stdout.lower()
     bad = script("analyze", "missing.py:model", "--input", "x=float32[B,8]", "--no-cache")
     assert bad.returncode == 2 and "no such file: missing.py" in bad.stderr
+
+
+def test_settle_freezes_the_heap_only_in_the_commands_own_process(monkeypatch):
+    """``settle`` (called once the model is built) turns the cycle collector back on over a
+    frozen heap in the command's process only; in a caller's process it changes nothing."""
+    import gc
+    assert not entry._OWNED and gc.isenabled()
+    before = gc.get_freeze_count()
+    entry.settle()
+    assert gc.get_freeze_count() == before and gc.isenabled()
+    monkeypatch.setattr(entry, "_OWNED", True)
+    gc.disable()
+    try:
+        entry.settle()
+        assert gc.isenabled() and gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -231,3 +231,16 @@ def test_run_b_traced_in_a_child_process_equals_run_b_traced_here(monkeypatch):
         os._exit(1)
     os.close(w)
     assert T._joined((pid, r)) is None
+    # a child no longer wanted (run A failed) is stopped and reaped, not left blocked on its
+    # pipe for the rest of the process
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        import time
+        time.sleep(60)
+        os._exit(0)
+    os.close(w)
+    T._abandon((pid, r))
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)

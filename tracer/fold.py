@@ -552,7 +552,11 @@ class Folder:
             key = (u, sig)
             count[key] = count.get(key, 0) + 1
             oroles.append((sig, count[key]))
-        return sroles, oroles
+        # as small ints: the construction looks roles up tens of thousands of times, and a
+        # tuple does not keep its hash
+        ids: dict = {}
+        return ([ids.setdefault(r, len(ids)) for r in sroles],
+                [ids.setdefault(r, len(ids)) for r in oroles])
 
     def _build(self, items, regions, sigma, roles, extra) -> RunRecord:
         run, j, names = self.run, TEMPLATE, self.names

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -199,32 +200,40 @@ def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
     or of the whole model where the runs do not repeat as the stack does."""
     units = fold.TRACED_UNITS
     traced = (stack.layers(units), stack.layers(units + 1))
+    child = _fork_traced(model, stack, units + 1, specs, constants, config, hint_map, **kw)
     try:
-        child = _fork_traced(model, stack, units + 1, specs, constants, config, hint_map, **kw)
         with fold.cut(model, stack, units):
             a = _traced(model, specs, constants, config, hint_map, **kw)
-        b = _joined(child)
+        # built from run A while the child (if any) still traces run B
+        try:
+            folder = fold.Folder(a.run, stack, units)
+            one = folder.construct(1)
+            copies = tuple(folder.last_copies)
+            run = folder.construct(stack.units - units)
+            unfolded = None
+        except fold.CannotFold as e:
+            unfolded = str(e)
+        pending, child = child, None
+        b = _joined(pending)
         if b is None:
             with fold.cut(model, stack, units + 1):
                 b = _traced(model, specs, constants, config, hint_map, **kw)
-        reason = None
         if (a.ranges, a.guards, a.hints) != (b.ranges, b.guards, b.hints):
             reason = "the cut runs take different code paths"
+        elif unfolded is not None:
+            reason = unfolded
         else:
-            folder = fold.Folder(a.run, stack, units)
-            reason = fold.difference(folder.construct(1), b.run)
+            reason = fold.difference(one, b.run)
             reason = reason and f"one more block differs from the runs' pattern at {reason}"
         if reason is None:
-            copies = tuple(folder.last_copies)
-            run = folder.construct(stack.units - units)
             return replace(a, run=run, folded=Folding(stack, traced, pair=b.run,
                                                       copies=copies, units=units))
-    except fold.CannotFold as e:
-        reason = str(e)
     except SpecializationError:
         raise
     except MemsimError as e:
         reason = f"a cut run failed: {e.message}"
+    finally:
+        _abandon(child)
     t = _traced(model, specs, constants, config, hint_map, **kw)
     return replace(t, folded=Folding(stack, traced, reason))
 
@@ -284,7 +293,24 @@ def _joined(child) -> Trace | None:
     _, status = os.waitpid(pid, 0)
     if status != 0 or not data:
         return None
-    return pickle.loads(data)
+    try:
+        return pickle.loads(data)
+    except Exception:  # noqa: BLE001 - a truncated answer: the run is traced here instead
+        return None
+
+
+def _abandon(child) -> None:
+    """Stop and reap a :func:`_fork_traced` child whose run is no longer wanted (run A
+    failed): it would otherwise block on its full pipe for the rest of this process."""
+    if child is None:
+        return
+    pid, r = child
+    os.close(r)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # pragma: no cover - it had already exited
+        pass
+    os.waitpid(pid, 0)
 
 
 def _traced(model, specs, constants, config, hint_map, *, train, transform, driver,
