@@ -33,8 +33,9 @@ __all__ = ["ZeRO", "load_deepspeed_config", "host_peak", "fused_adamw"]
 @dataclass(frozen=True)
 class ZeRO(Strategy):
     """DeepSpeed ZeRO settings (the names of ``zero_optimization`` in ``ds_config.json``, with
-    DeepSpeed's defaults), and ``traced_ranks``: every rank is traced up to that many ranks,
-    else ranks 0, 1, N-2 and N-1 (the padding of the flat groups falls on the last ranks)."""
+    DeepSpeed's defaults), and ``traced_ranks``: stages 1 and 2 trace every rank up to that
+    many ranks, else ranks 0, 1, N-2 and N-1 (the padding of the flat groups falls on the last
+    ranks); stage 3 traces one rank per group (:meth:`partition_classes`) and ignores it."""
 
     key: ClassVar[str] = "zero"
     stage: int
