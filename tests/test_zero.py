@@ -319,9 +319,7 @@ def test_cli_deepspeed_config_traces_the_engine(tmp_path, capsys):
         "stage3_prefetch_bucket_size": 1e4, "stage3_param_persistence_threshold": 100}}))
     args = ["analyze", "examples/nanogpt_block.py:small", "--input", "x=float32[B,S,64]",
             "--at", "B=2,S=8", "--device", "cpu", "--train", "--deepspeed", str(f), "--dp", "2"]
-    assert main(args + ["--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["strategy"]["zero"]["stage"] == 3 and doc["strategy"]["world_size"] == 2
-    assert any("DeepSpeed's own ZeRO-3 engine" in n for n in doc["notes"])
-    assert main(args) == 0
-    assert "DeepSpeed ZeRO-3 dp=2 (DeepSpeed's engine, traced)" in capsys.readouterr().out
+    assert main(args) == 0   # the text output only: one DeepSpeed analysis (the budget)
+    out = capsys.readouterr().out
+    assert "DeepSpeed ZeRO-3 dp=2 (DeepSpeed's engine, traced)" in out
+    assert "DeepSpeed's own ZeRO-3 engine" in out.replace("\n", " ")
