@@ -236,6 +236,15 @@ def main(argv: list[str] | None = None) -> int:
 _OWNED = False   # this process is the command's own (script), not a caller's
 
 
+def own_process() -> None:
+    """Say that this process is the command's own (:func:`script`; ``benchmarks/scale.py``'s
+    children, which measure as the command runs): the cycle collector is off until
+    :func:`settle`."""
+    import memsim.entry as this   # the module cli imports, also under python -m
+    this._OWNED = True
+    gc.disable()
+
+
 def settle() -> None:
     """Called once the command's model is built. In the command's own process, what exists by
     then (torch, the libraries, the model: most of the heap, and none of it garbage) leaves the
@@ -255,9 +264,7 @@ def script() -> None:
     flushed here. An exception or ``SystemExit`` (a usage error) leaves the usual way. The
     cycle collector is off while torch and the model are imported and built (see
     :func:`settle`)."""
-    import memsim.entry as this   # the module cli imports, also under python -m
-    this._OWNED = True
-    gc.disable()
+    own_process()
     rc = main()
     for stream in (sys.stdout, sys.stderr):
         try:

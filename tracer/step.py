@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -340,8 +341,13 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
 
 def _mixed_dtensors(err: BaseException, model) -> MemsimError | None:
     """The optimizer's foreach update over parameters a tensor-parallel plan left unsharded
-    (DTensor refuses a list mixing both): a real CUDA run fails the same way."""
-    if "got mixed torch.Tensor and DTensor" not in str(err):
+    (DTensor refuses a list mixing both): a real CUDA run fails the same way. None for any
+    other error, and for this one raised outside ``torch.optim`` (a model's own op)."""
+    import traceback
+
+    if "got mixed torch.Tensor and DTensor" not in str(err) or not any(
+            "torch/optim/" in f.filename.replace(os.sep, "/")
+            for f in traceback.extract_tb(err.__traceback__)):
         return None
     from torch.distributed.tensor import DTensor
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
@@ -351,10 +357,10 @@ def _mixed_dtensors(err: BaseException, model) -> MemsimError | None:
     names = ", ".join(repr(n) for n in plain[:3]) + (f" and {len(plain) - 3} more"
                                                      if len(plain) > 3 else "")
     return StrategyError(
-        f"{op} fails in the optimizer step: it updates its parameters with foreach ops, and the tensor-"
-        f"parallel plan leaves {names} plain tensors beside its DTensors; a real run fails "
-        "the same way (torch picks the foreach update on CUDA, and DTensor refuses a list that "
-        "mixes both)",
+        f"{op} fails in the optimizer step: it updates its parameters with foreach ops, and "
+        f"the tensor-parallel plan leaves {names} plain tensors beside its DTensors; a real "
+        "run fails the same way (torch picks the foreach update on CUDA, and DTensor refuses "
+        "a list that mixes both)",
         hint="give an optimizer built with foreach=False (Python: optimizer=lambda p: "
              "torch.optim.AdamW(p, foreach=False); the command: register_optimizer(...) in "
              "your module), or make every parameter a DTensor (FSDP with TP: --fsdp)")
