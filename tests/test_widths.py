@@ -3,7 +3,11 @@ a real 2-rank gloo run on CPU (tests/oracles/dist.py): size-dependent behaviour 
 buckets, sharding of 64-MiB matrices, the all-gather and reduce-scatter of whole layers) that
 the width-64 tests never reach. Every figure per
 rank: peak, parameters, gradients, optimizer states. ZeRO at DeepSpeed's default buckets is in
-tests/test_zero.py."""
+tests/test_zero.py.
+
+The three runs at Llama-2-7B's widths are marked ``wide``: the README's test command leaves
+them out (20-60 s and GBs each, most of the suite's budget); ``.ci/run`` runs them as a step of
+their own, and ``python -m pytest -m wide`` runs them anywhere."""
 
 import functools
 
@@ -44,7 +48,7 @@ def _per_rank(real, got, activations=True):
     return {r.peak - r.other for r in real}
 
 
-@pytest.mark.slow
+@pytest.mark.wide
 def test_ddp_several_buckets_at_default_cap():
     """An MLP block of Llama-2-7B's widths (Linear(4096, 11008), GELU, Linear(11008, 4096):
     90.2M parameters, 361 MB of fp32 gradients) fills 15 of DDP's default 25 MB buckets;
@@ -60,7 +64,7 @@ def test_ddp_several_buckets_at_default_cap():
         f"ddp_buckets={got['gradients']}"]
 
 
-@pytest.mark.slow
+@pytest.mark.wide
 def test_tensor_parallel_at_llama_7b_width():
     """One decoder layer of Llama-2-7B's shape, TP 2 (q/k/v/gate/up column-wise, o/down
     row-wise), B=2, S=512: 2,024,915,508 B on both ranks, every figure equal (about 25 s)."""
@@ -93,7 +97,7 @@ def _llama_7b_width(layers: int = 1, checkpointing: bool = True):
     return m
 
 
-@pytest.mark.slow
+@pytest.mark.wide
 def test_fsdp2_mixed_precision_at_llama_7b_width():
     """Issue 17's case: one decoder layer of Llama-2-7B's shape under FSDP2 (the layer, then
     the root) with bf16 parameters and fp32 gradient reduction, HF checkpointing, the output
