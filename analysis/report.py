@@ -21,6 +21,8 @@ memsim.tracer.errors.OutOfRangeError: B=1 is outside the range the formulas hold
 
 from __future__ import annotations
 
+import io
+import pickle
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
@@ -59,12 +61,12 @@ class Retracer:
         """The analysis with the symbols in ``fixed`` given as integers (``already``: those the
         report was traced with fixed before)."""
         key = ("fixed",) + tuple(sorted(fixed.items()))
-        if key not in self.cache:
-            self.cache[key] = self.analyze(self.model, fix_inputs(self.inputs, fixed),
-                                           self.config.fixing(fixed),
-                                           fixed={**(already or {}), **fixed}, explore=False,
-                                           **self.options)
-        return self.cache[key]
+        got = self.cache.get(key)
+        if isinstance(got, _Beside):
+            got = self.cache[key] = got.join(self._sub(fixed))
+        if got is None:
+            got = self.cache[key] = self._fixed(fixed, already)
+        return got
 
     def moved(self, hints: Mapping[str, int], already: Mapping[str, int] | None = None):
         """The analysis traced at other example sizes (``hints`` over the config's): across a
@@ -76,6 +78,85 @@ class Retracer:
                                                                     **hints}),
                 fixed=dict(already or {}), explore=False, **self.options)
         return self.cache[key]
+
+    def _sub(self, fixed: Mapping[str, int]) -> "Retracer":
+        """The retracer of the analysis with ``fixed`` given (the one :meth:`_fixed` makes)."""
+        return Retracer(self.analyze, self.model, fix_inputs(self.inputs, fixed),
+                        self.config.fixing(fixed), dict(self.options))
+
+    def _fixed(self, fixed: Mapping[str, int], already: Mapping[str, int] | None):
+        return self.analyze(self.model, fix_inputs(self.inputs, fixed), self.config.fixing(fixed),
+                            fixed={**(already or {}), **fixed}, explore=False, **self.options)
+
+    def beside(self, points, already: Mapping[str, int] | None = None) -> int:
+        """Start tracing, in forked processes beside the caller's own analysis, the sizes of
+        ``points`` below every formula's range (a size of 1, which :meth:`Report.for_point`
+        would trace afterwards); a later call for them takes the child's report. Where no
+        process can be forked (:func:`memsim.tracer.trace.forked`) nothing starts and they are
+        traced when asked. Returns how many started."""
+        from memsim.tracer.trace import forked
+        names = {d for v in self.inputs.values() if is_tensor_spec(v)
+                 for d in make_spec("x", v).symbols} - set(already or {})
+        started = 0
+        for point in points or ():
+            fixed = {n: v for n, v in point.items() if n in names and v == 1}
+            key = ("fixed",) + tuple(sorted(fixed.items()))
+            if not fixed or key in self.cache:
+                continue
+            child = forked(lambda f=fixed: _portable(self._fixed(f, already)))
+            if child is not None:
+                self.cache[key] = _Beside(child)
+                started += 1
+        return started
+
+
+def _portable(report: "Report") -> bytes:
+    """``report`` pickled without the retracers in it (they hold the model's transforms and
+    loops, closures that do not pickle): :meth:`_Beside.join` gives it its own again."""
+    buf = io.BytesIO()
+    _NoRetracers(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(report)
+    return buf.getvalue()
+
+
+class _NoRetracers(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, (Retracer, _Beside)):
+            return type(None), ()
+        if isinstance(obj, (sympy.Max, sympy.Min)):
+            # rebuilt as they are: sympy would compare every pair of a peak's hundreds of
+            # candidates again (two minutes for Llama-2-7B's)
+            return _unevaluated, (type(obj), obj.args)
+        return NotImplemented
+
+
+def _unevaluated(cls, args):
+    return cls(*args, evaluate=False)
+
+
+class _Beside:
+    """A report being made in a forked child (:meth:`Retracer.beside`): joined when asked
+    for, stopped and reaped when nobody asks (the retracer dropped, or the process ending)."""
+
+    def __init__(self, child):
+        import weakref
+
+        from memsim.tracer.trace import _abandon
+        self._child = child
+        self._done = weakref.finalize(self, _abandon, child)
+
+    def join(self, retracer: "Retracer"):
+        """The child's report, or None (it failed: the caller traces it in-process and gets
+        the error there, if any), with ``retracer`` for its own retraces."""
+        from memsim.tracer.trace import _joined
+        self._done.detach()
+        data = _joined(self._child)
+        if data is None:
+            return None
+        report = pickle.loads(data)
+        for r in [report] + [c.report for c in getattr(report, "rank_classes", ())]:
+            if r.retracer is None:
+                object.__setattr__(r, "retracer", retracer)
+        return report
 
 
 @dataclass(frozen=True)
@@ -301,7 +382,7 @@ def _module_types(model: torch.nn.Module) -> dict[str, str]:
 def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None, *,
             train: bool = True, inference: bool = True, transform=None, driver=None,
             fixed: Mapping[str, int] | None = None, explore: bool = True, fit: bool = True,
-            **options) -> Report:
+            points=None, **options) -> Report:
     """Trace ``model`` and return the symbolic :class:`Report` of a step.
 
     Parameters
@@ -332,14 +413,23 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         Where the model's code pins a symbol (:class:`~memsim.tracer.SpecializationError`),
         fit its formulas from traces with it fixed (:mod:`memsim.analysis.fit`: a
         :class:`~memsim.analysis.fit.FittedReport`, four traces or more) instead of raising.
+    points : list of dict, optional
+        Points that will be asked for (``[{"B": 1, "S": 4096}]``). A size of 1 among them lies
+        below every formula's range, and :meth:`Report.for_point` would trace it after this
+        analysis; it is traced now instead, in a forked process beside this one's trace
+        (:meth:`Retracer.beside`; Linux, two CPUs or more, not under ``MEMSIM_PARALLEL=0``).
     **options
         Fields of :class:`~memsim.tracer.StepConfig` (``device="cpu"``,
         ``keep_outputs=False``...), applied over ``config`` and validated once.
     """
     config = StepConfig.of(config, **options)
     try:
+        retracer = Retracer(analyze, model, inputs, config, dict(
+            train=train, inference=inference, transform=transform, driver=driver))
+        retracer.beside(points, fixed)
         return _analyze(model, inputs, config, train=train, inference=inference,
-                        transform=transform, driver=driver, fixed=fixed, explore=explore)
+                        transform=transform, driver=driver, fixed=fixed, explore=explore,
+                        retracer=retracer)
     except TraceError as e:
         if not fit:
             raise
@@ -368,7 +458,8 @@ def _example_sizes(inputs: dict, config: StepConfig) -> dict[str, int]:
                          config.hints)
 
 
-def _analyze(model, inputs, config, *, train, inference, transform, driver, fixed, explore):
+def _analyze(model, inputs, config, *, train, inference, transform, driver, fixed, explore,
+             retracer):
     patches, auto_limits = hf.adapt(model, inputs)
     run_config = config.replace(limits={**auto_limits, **config.limits})
     kw = dict(transform=transform, patches=patches)
@@ -393,8 +484,7 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
                         dict.fromkeys(s.trace.folded.describe() for s in (tr_step, inf_step)
                                       if s is not None and s.trace.folded is not None)) + tuple(
                         reserve_notes(tr_step.trace.run.ops) if tr_step is not None else ()),
-                    retracer=Retracer(analyze, model, inputs, config, dict(
-                        train=train, inference=inference, transform=transform, driver=driver)))
+                    retracer=retracer)
     return cross_guards(report) if explore else report
 
 

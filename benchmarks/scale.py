@@ -91,7 +91,8 @@ def child_memsim(name: str, strategy: str) -> dict:
     t0 = time.perf_counter()
     report = analyze(model, {"input_ids": ("int64", ["B", "S"]),
                              "labels": ("int64", ["B", "S"])},
-                     device="cpu", optimizer=sgd, inference=False, **kw)
+                     device="cpu", optimizer=sgd, inference=False,
+                     points=[{"B": b, "S": s} for b, s in points(name)], **kw)
     t_formula = time.perf_counter() - t0
     got = {}
     for b, s in points(name):

@@ -588,6 +588,8 @@ def _execute(args, prep: dict, fit: bool = False):
     kw = dict(strategy, train=not args.inference,
               inference=args.inference or not (fit or getattr(args, "train", False)))
     inputs = {s.name: s for s in specs}
+    if point is not None:   # a size of 1 in it is traced beside the formulas' trace
+        kw["points"] = [point]
     report = pinning_fixed(analyze_with, model, inputs, config, point, **kw) \
         if point is not None else analyze_with(model, inputs, config, **kw)
     if point is not None:

@@ -63,25 +63,29 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
             strategies: Iterable[Strategy] = (), train: bool = True, inference: bool = True,
             fixed: Mapping[str, int] | None = None, explore: bool = True, fit: bool = True,
             lora=None, fsdp=None, tp=None, zero=None, ddp=None, checkpoint=None,
-            **options) -> Report:
+            points=None, **options) -> Report:
     """:func:`memsim.analysis.analyze` under strategies: one rank's figures.
 
     ``strategies``: :class:`~memsim.strategies.base.Strategy` values; or by keyword: ``lora``
     (a :class:`LoRA` or :class:`QLoRA`), ``fsdp``, ``tp``, ``zero``, ``ddp``, ``checkpoint``
     (a named plan ``"blocks"``, ``"selective"``, ``"every:K"``, module paths, or a
     :class:`Checkpoint`). ``options``: fields of :class:`~memsim.tracer.StepConfig` over
-    ``config`` (``device="cpu"``, ``precision="bf16-mixed"``...). ``fixed``, ``explore``: as
-    :func:`memsim.analysis.analyze` (the strategy's report is explored as a whole). With no
-    strategy, the plain :class:`~memsim.analysis.Report`.
+    ``config`` (``device="cpu"``, ``precision="bf16-mixed"``...). ``fixed``, ``explore``,
+    ``points``: as :func:`memsim.analysis.analyze` (the strategy's report is explored as a
+    whole; a point of ``points`` below the range is traced beside it, under the strategies).
+    With no strategy, the plain :class:`~memsim.analysis.Report`.
     """
     config = StepConfig.of(config, **options)
     given = given_strategies(strategies, lora=lora, fsdp=fsdp, tp=tp, zero=zero, ddp=ddp,
                              checkpoint=checkpoint)
     if not given:
         return analysis.analyze(model, inputs, config, train=train, inference=inference,
-                                fixed=fixed, explore=explore, fit=fit)
+                                fixed=fixed, explore=explore, fit=fit, points=points)
     for s in given.values():
         s.validate(given, config)
+    retracer = Retracer(analyze, model, inputs, config, dict(
+        strategies=tuple(given.values()), train=train, inference=inference))
+    retracer.beside(points, fixed)
     plan = Plan(model, config, given)
     for s in given.values():
         plan = s.apply(plan)
@@ -115,8 +119,6 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         shown = max(reports, key=lambda r: (_at_hints(reports[r]), -r))
     info = RankInfo(world_size(given), classes, tuple(reports), shown, reports[shown])
     notes = [n for item in plan.notes for n in ([item] if isinstance(item, str) else item(info))]
-    retracer = Retracer(analyze, model, inputs, config, dict(
-        strategies=tuple(given.values()), train=train, inference=inference))
     wrapped = {r: _wrap(rep, r, plan, given, info, notes, retracer)
                for r, rep in reports.items()}
     if explore:   # past the guards of the code path, the strategy analysed as a whole

@@ -247,3 +247,52 @@ def test_run_b_traced_in_a_child_process_equals_run_b_traced_here(monkeypatch):
     T._abandon((pid, r))
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_point_below_the_range_is_traced_beside_the_analysis(monkeypatch):
+    """``points=`` (the CLI passes its ``--at``): a size of 1 among them, which
+    ``for_point`` would trace after the analysis, is traced in a forked child beside it
+    (``Retracer.beside``). The child's report, under a strategy too, equals the one traced
+    afterwards; it can trace again itself; a child that fails leaves the point to be traced
+    here; a child nobody asks is stopped when its analysis is dropped."""
+    import gc
+    import importlib
+    import os
+    import sys
+
+    from memsim.analysis import report as R
+    T = importlib.import_module("memsim.tracer.trace")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("forked on Linux only")
+    model = _model(transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        num_hidden_layers=2, **SMALL))
+    at = {"B": 1, "S": 8}
+
+    def report(parallel: bool, **kw):
+        monkeypatch.setattr(T, "_parallel", lambda: parallel)  # off in the suite (conftest)
+        return analyze(model, LM, device="cpu", inference=False, explore=False,
+                       points=[at], **kw)
+
+    for kw in ({}, {"fsdp": FSDP(2)}):
+        rep = report(True, **kw)
+        assert [type(v) for v in rep.retracer.cache.values()] == [R._Beside]
+        sub, pt = rep.for_point(at)
+        here, pt2 = report(False, **kw).for_point(at)
+        assert sub.fixed == here.fixed == {"B": 1} and type(sub) is type(here) and pt == pt2
+        assert sub.at(**pt) == here.at(**pt) and sub.notes == here.notes
+        if not kw:
+            want = here.at(**pt)
+    # the child's report traces again with its own retracer (S = 1: below its range)
+    (a, pa), (b, pb) = sub.for_point({"S": 1}), here.for_point({"S": 1})
+    assert a.fixed == b.fixed == {"B": 1, "S": 1} and a.at(**pa) == b.at(**pb)
+    # a child that fails sends nothing: the point is traced here
+    monkeypatch.setattr(R, "_portable", lambda report: 1 / 0)
+    got, pt = report(True).for_point(at)
+    assert got.at(**pt) == want
+    # a child nobody asks for is stopped and reaped with its analysis
+    rep = report(True)
+    (pid, _), = [v._child for v in rep.retracer.cache.values()]
+    del rep
+    gc.collect()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)

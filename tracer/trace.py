@@ -258,6 +258,17 @@ def _fork_traced(model, stack, units, specs, constants, config, hint_map, **kw):
     the same state (the fork happens before either), as when they run one after the other,
     whose results do not depend on the other's either (tested: folded runs equal whole ones
     with and without the child)."""
+    def run():
+        with fold.cut(model, stack, units):
+            return _traced(model, specs, constants, config, hint_map, **kw)
+    return forked(run)
+
+
+def forked(fn: Callable[[], object]):
+    """Start ``fn()`` in a forked child (its own copy of every object), which sends its
+    result back pickled: ``(pid, pipe)`` for :func:`_joined` (or :func:`_abandon`), or None
+    where that is not possible here (:func:`_parallel`). The child forks no children of its
+    own (``MEMSIM_PARALLEL=0`` there) and prints no progress."""
     if not _parallel():
         return None
     try:
@@ -271,20 +282,31 @@ def _fork_traced(model, stack, units, specs, constants, config, hint_map, **kw):
     status = 1
     try:  # the child: never returns
         os.close(r)
-        with progress.listening(None), fold.cut(model, stack, units):
-            data = pickle.dumps(_traced(model, specs, constants, config, hint_map, **kw),
-                                protocol=pickle.HIGHEST_PROTOCOL)
+        _die_with_parent()
+        os.environ["MEMSIM_PARALLEL"] = "0"
+        with progress.listening(None):
+            data = pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL)
         with os.fdopen(w, "wb") as f:
             f.write(data)
         status = 0
-    except BaseException:  # noqa: BLE001 - the parent traces it again and raises there
+    except BaseException:  # noqa: BLE001 - the parent computes it again and raises there
         pass
     finally:
         os._exit(status)
 
 
-def _joined(child) -> Trace | None:
-    """The trace a :func:`_fork_traced` child sent, or None (none started, or it failed)."""
+def _die_with_parent() -> None:
+    """Linux: this (forked) process is killed when its parent ends, so that a child whose
+    answer is no longer wanted never outlives the command that started it."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
+def _joined(child):
+    """What a :func:`forked` child sent, or None (none started, or it failed)."""
     if child is None:
         return None
     pid, r = child
@@ -300,8 +322,9 @@ def _joined(child) -> Trace | None:
 
 
 def _abandon(child) -> None:
-    """Stop and reap a :func:`_fork_traced` child whose run is no longer wanted (run A
-    failed): it would otherwise block on its full pipe for the rest of this process."""
+    """Stop and reap a :func:`forked` child whose result is no longer wanted (run A failed;
+    a point traced beside an analysis and never asked for): it would otherwise block on its
+    full pipe for the rest of this process."""
     if child is None:
         return
     pid, r = child
