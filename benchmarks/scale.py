@@ -15,7 +15,8 @@ only, the peak of the second step.
 
 - memsim: one ``analyze`` (the stack of blocks folded, :mod:`memsim.tracer.fold`), then its
   formula evaluated at the 16 points of the sweep (B 1, 2, 4, 8 x four sequence lengths; B = 1
-  is below the symbolic range and traced once more, folded too).
+  is below the symbolic range and traced once more, folded too, beside the analysis: the
+  points are given to ``analyze(points=...)``, as the command gives its ``--at``).
 - the peer: one process per point, at ``--peer-points`` points per model (the smallest and
   largest by default; 0 skips it); ``--sweep MODEL`` runs it at all 16 points of one model.
 - the bytes of both at every point the peer ran, and the sweep ratio: the peer's time for 16

@@ -239,15 +239,19 @@ def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
 
 
 def _parallel() -> bool:
-    """Whether run B may be traced in a forked process beside run A: Linux (fork is the
-    platform's own way there; macOS and Windows have none that is safe with torch), at least
-    two CPUs for this process, and not turned off (``MEMSIM_PARALLEL=0``)."""
+    """Whether a run may be traced in a forked process beside this one: Linux (fork is the
+    platform's own way there; macOS and Windows have none that is safe with torch), a CPU for
+    this process and one for each child running (:func:`forked`), and not turned off
+    (``MEMSIM_PARALLEL=0``)."""
     if os.environ.get("MEMSIM_PARALLEL", "1") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
-        return len(os.sched_getaffinity(0)) >= 2
+        return len(os.sched_getaffinity(0)) >= 2 + len(_CHILDREN)
     except (AttributeError, OSError):  # pragma: no cover
         return False
+
+
+_CHILDREN: set[int] = set()   # the forked children running, by pid
 
 
 def _fork_traced(model, stack, units, specs, constants, config, hint_map, **kw):
@@ -278,6 +282,7 @@ def forked(fn: Callable[[], object]):
         return None
     if pid:
         os.close(w)
+        _CHILDREN.add(pid)
         return pid, r
     status = 1
     try:  # the child: never returns
@@ -313,6 +318,7 @@ def _joined(child):
     with os.fdopen(r, "rb") as f:
         data = f.read()
     _, status = os.waitpid(pid, 0)
+    _CHILDREN.discard(pid)
     if status != 0 or not data:
         return None
     try:
@@ -334,6 +340,7 @@ def _abandon(child) -> None:
     except ProcessLookupError:  # pragma: no cover - it had already exited
         pass
     os.waitpid(pid, 0)
+    _CHILDREN.discard(pid)
 
 
 def _traced(model, specs, constants, config, hint_map, *, train, transform, driver,
