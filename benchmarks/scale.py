@@ -97,7 +97,7 @@ def child_memsim(name: str, strategy: str) -> dict:
     t_formula = time.perf_counter() - t0
     got = {}
     for b, s in points(name):
-        sub, at = report.for_point({"B": b, "S": s})   # B = 1: traced once more
+        sub, at = report.for_point({"B": b, "S": s})   # B = 1: traced beside analyze
         got[f"{b},{s}"] = sub.at(**at)["train"]["peak"]
     folded = report.train.trace.folded
     return {"analysis_s": t_formula, "total_s": time.perf_counter() - t0, "bytes": got,
