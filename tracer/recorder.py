@@ -99,6 +99,21 @@ def current() -> Recorder | None:
                  if isinstance(m, Recorder)), None)
 
 
+def _tensors(x, out: list) -> list:
+    """The tensors in an op's arguments, in ``tree_flatten``'s order (an ATen op's arguments
+    nest only lists, tuples and dicts), appended to ``out``: a quarter of the time pytree
+    takes for it, on every op of a trace."""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _tensors(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, out)
+    return out
+
+
 class Recorder(TorchDispatchMode):
     """Records storages, their lifetimes and the op sequence of one run.
 
@@ -388,7 +403,7 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._paused:
             return func(*args, **kwargs)
-        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        flat_in = _tensors((args, kwargs), [])
         if any(local(t) is not t for t in flat_in):
             # A DTensor op: let DTensor run it; the ops on local shards it issues come back here
             # and are recorded once (the wrapper itself owns no memory).
