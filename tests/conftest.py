@@ -12,8 +12,9 @@ if "MEMSIM_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["MEMSIM_CACHE_DIR"] = tempfile.mkdtemp(prefix="memsim-test-cache-")
 
-# pytest-xdist already keeps every core busy: a trace's run B is traced in this process, not in
-# a forked child (memsim.tracer.trace._fork_traced; tests/test_fold.py turns it on to check it)
+# pytest-xdist already keeps every core busy: a trace's run B, and a point below the range
+# given to analyze(points=...), are traced in this process, not in a forked child
+# (memsim.tracer.trace.forked; tests/test_fold.py turns it on to check both)
 os.environ.setdefault("MEMSIM_PARALLEL", "0")
 
 # MEMSIM_STRICT_DEPS=1 (set by .ci/run): a skip is a failure. Every test of the suite runs with
