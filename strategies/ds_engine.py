@@ -183,7 +183,7 @@ class DeepSpeedDriver(Driver):
     # (analysis/reserved.py) starts from the traced history, and after one warm-up step it
     # reserves less than after two, three or four, which agree (benchmarks/ds_warmups.py: 2 of
     # Llama-2-7B's layers, bf16, 8 ranks, B = 2, S = 512: 6,201,278,464 B against
-    # 6,912,212,992; replaying the traced step twice did not close the gap).
+    # 6,912,212,992).
     warmup = 2
     host_device = torch.device("cpu")
 
