@@ -335,17 +335,20 @@ class Report:
                 return r.report
         hint = probe_size(self, name, v)
         try:
-            return self.retracer.moved({name: hint}, self.fixed)
+            sub = self.retracer.moved({name: hint}, self.fixed)
         except SpecializationError:
-            # the code path at that size pins it (a slice as long as the dimension, say):
-            # exact there, traced with the size fixed
-            return self.retracer({name: v}, self.fixed)
+            sub = None
         except TraceError as e:
             lo, hi = self.ranges[name]
             raise OutOfRangeError(
                 f"{name}={v}: the model's code fails past {name}={hi if v > hi else lo} "
                 f"(traced at {name}={hint}: {e.message})",
                 hint=f"its own limit, then: sizes {lo}..{hi} are covered") from e
+        if sub is None or name not in sub.ranges:
+            # the code path at that size pins it (a slice as long as the dimension, say; the
+            # trace there has no range for it): exact there, traced with the size fixed
+            return self.retracer({name: v}, self.fixed)
+        return sub
 
     def at(self, **point: int) -> dict:
         """Every figure evaluated at ``point`` (plain ints), from this report's formulas.
@@ -577,6 +580,10 @@ def cross_guards(report: Report) -> Report:
             except TraceError as e:
                 notes.append(f"{name} ends at {hi}: traced at {name}={hint}, the model fails "
                              f"({e.message}); taken as the model's own limit")
+                break
+            if name not in sub.ranges:   # the model's code pins it there: no range to join
+                notes.append(f"past {name}={hi} the model's code ties {name} to its size "
+                             f"(traced at {name}={hint}); each size is traced when asked for")
                 break
             slo, shi = sub.ranges[name]
             if slo > hint or (shi is not None and shi < hint):

@@ -145,7 +145,8 @@ def _add_common(a: argparse.ArgumentParser) -> None:
                    help="DDP gradient_as_bucket_view=True (gradients are views into the buckets)")
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel ranks")
     p.add_argument("--tp-plan", metavar="PAT=STYLE,...",
-                   help="tensor-parallel plan (default: the model's Hugging Face plan)")
+                   help="tensor-parallel plan (default: the model's Hugging Face plan); "
+                        "styles colwise, rowwise, sequence, colwise_rep, rowwise_rep, replicate")
     p.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (Megatron's: "
                    "norms and the residual stream split along the sequence)")
     p.add_argument("--lora", metavar="r=16,...", help="LoRA: r, alpha, dropout, targets")

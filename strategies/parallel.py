@@ -36,16 +36,29 @@ __all__ = ["FSDP", "TensorParallel", "Style", "transform", "process_group", "tp_
 
 class Style(Word):
     """How a tensor-parallel plan shards a module: the plan's words (``colwise``,
-    ``rowwise``, ``sequence``), and those :func:`sp_plan` adds (``gather``, ``head``)."""
+    ``rowwise``, ``sequence``; ``colwise_rep``: column-wise with the output all-gathered,
+    ``rowwise_rep``: row-wise from a replicated input), and those :func:`sp_plan` adds
+    (``gather``, ``head``)."""
 
     COLWISE = "colwise"
     ROWWISE = "rowwise"
     SEQUENCE = "sequence"
+    COLWISE_REP = "colwise_rep"
+    ROWWISE_REP = "rowwise_rep"
     GATHER = "gather"
     HEAD = "head"
 
 
-PLAN_STYLES = (Style.COLWISE, Style.ROWWISE, Style.SEQUENCE)  # what a user's plan may say
+# what a plan may say: memsim's words and Hugging Face's (transformers.distributed's
+# ALL_PARALLEL_STYLES, 5.x) for the same sharding; None: the module stays whole on every rank
+# (Qwen3's and Gemma3's per-head q_norm/k_norm: replicated, their gradients all-reduced in
+# place by a hook)
+PLAN_WORDS = {"colwise": Style.COLWISE, "rowwise": Style.ROWWISE, "sequence": Style.SEQUENCE,
+              "colwise_rep": Style.COLWISE_REP, "colwise_gather_output": Style.COLWISE_REP,
+              "rowwise_rep": Style.ROWWISE_REP, "rowwise_split_input": Style.ROWWISE_REP,
+              "embedding_rowwise": Style.ROWWISE, "replicate": None,
+              "replicated_with_grad_allreduce": None}
+_SHARDED = {Style.COLWISE: 0, Style.COLWISE_REP: 0, Style.ROWWISE: 1, Style.ROWWISE_REP: 1}
 
 
 @register_strategy
@@ -54,9 +67,12 @@ class TensorParallel(Strategy):
     """Tensor parallelism over ``tp`` ranks (``parallelize_module``).
 
     plan : "auto" or dict
-        ``{module-name pattern: "colwise" | "rowwise" | "sequence"}`` (``*`` matches one path
-        component, as in Hugging Face's ``base_model_tp_plan``); ``"auto"`` takes the model's
-        own Hugging Face plan (Llama, Mistral, Qwen... publish one) or fails naming the model.
+        ``{module-name pattern: "colwise" | "rowwise" | "sequence" | "colwise_rep" |
+        "rowwise_rep" | "replicate"}`` (``*`` matches one path component, as in Hugging Face's
+        ``base_model_tp_plan``, whose words for the same shardings are read too:
+        ``colwise_gather_output``, ``rowwise_split_input``, ``embedding_rowwise``,
+        ``replicated_with_grad_allreduce``); ``"auto"`` takes the model's own Hugging Face plan
+        (Llama, Mistral, Qwen, Gemma, Phi... publish one) or fails naming the model.
     sequence_parallel : bool
         Megatron's sequence parallelism (:func:`sp_plan`): outside the column-/row-wise pairs
         (the norms, the residual stream) activations are split along the sequence.
@@ -261,19 +277,29 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
             plan = {f"{prefix}.{k}": v for k, v in plan.items()}
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, str] = {}
+    mods = dict(model.named_modules())
     for pat, style in plan.items():
         word = str(style).removesuffix("_parallel")
-        if word not in PLAN_STYLES:
+        if word not in PLAN_WORDS:
             raise StrategyError(f"tensor-parallel plan {pat!r}: style {style!r} is not one of "
-                                f"{', '.join(PLAN_STYLES)}")
-        style = Style(word)
+                                f"{', '.join(PLAN_WORDS)}",
+                                hint="give the plan yourself (TensorParallel(tp, plan={...}) "
+                                     "or --tp-plan) with these words")
+        style = PLAN_WORDS[word]
         rx = fnmatch.translate(pat).replace(".*", "[^.]*")
         hit = [n for n in names if re.fullmatch(rx, n)]
         if not hit:
             raise StrategyError(f"tensor-parallel plan entry {pat!r} matches no module",
                                 hint="patterns match module paths; * stands for one component")
+        if word == "embedding_rowwise" and not all(isinstance(mods[n], torch.nn.Embedding)
+                                                   for n in hit):
+            raise StrategyError(f"tensor-parallel plan {pat!r}: 'embedding_rowwise' on a "
+                                "module that is not an nn.Embedding")
         for n in hit:
-            out[n] = style
+            if style is None:
+                out.pop(n, None)
+            else:
+                out[n] = style
     out = _lora_split(model, out, tp)
     _check_divisible(model, out, tp.tp)
     return sp_plan(model, out) if tp.sequence_parallel else out
@@ -319,6 +345,11 @@ def sp_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """
     mods = dict(model.named_modules())
     names = {id(m): n for n, m in mods.items()}
+    rep = sorted(n for n, st in plan.items() if st in (Style.COLWISE_REP, Style.ROWWISE_REP))
+    if rep:
+        raise StrategyError(f"sequence parallelism with a {plan[rep[0]]} layer ({rep[0]}) is "
+                            "not supported: its activations are whole on every rank",
+                            hint="analyse TensorParallel without --sp")
     out = dict(plan)
     regions = {n.rpartition(".")[0] for n, st in plan.items() if st is Style.ROWWISE
                and isinstance(mods[n], torch.nn.Linear)}
@@ -365,10 +396,11 @@ def _check_divisible(model: torch.nn.Module, plan: dict[str, str], t: int) -> No
                                 "colwise/rowwise shard nn.Linear and nn.Embedding only")
         if isinstance(m, torch.nn.Embedding):
             continue
-        size = m.weight.shape[0 if style is Style.COLWISE else 1]  # a Linear weight is (out, in)
+        dim = _SHARDED[style]
+        size = m.weight.shape[dim]  # a Linear weight is (out, in)
         if size % t:
             raise StrategyError(f"tensor-parallel degree {t} does not divide {name}'s "
-                                f"{'output' if style is Style.COLWISE else 'input'} size {size}",
+                                f"{'input' if dim else 'output'} size {size}",
                                 hint="uneven linear shards fail in PyTorch's own TP (local "
                                      "outputs of uneven shards); choose a divisor")
 
@@ -388,6 +420,10 @@ def _styles(model: torch.nn.Module, plan: dict[str, str], seq: int | None = None
             out[name] = SequenceParallel(sequence_dim=1 if seq is None else seq)
         elif style is Style.COLWISE:
             out[name] = ColwiseParallel()
+        elif style is Style.COLWISE_REP:
+            out[name] = ColwiseParallel(output_layouts=Replicate())
+        elif style is Style.ROWWISE_REP:
+            out[name] = RowwiseParallel(input_layouts=Replicate())
         elif style is Style.HEAD:
             out[name] = ColwiseParallel(input_layouts=Shard(seq), output_layouts=Replicate())
         elif style is Style.GATHER:

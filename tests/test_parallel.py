@@ -78,6 +78,45 @@ def test_tp_llama_matches_real_gloo_run(attn, b, s):
     assert got == want  # exact: DTensor's sharding propagation is not recorded
 
 
+def _rep_styles():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return ColwiseParallel(output_layouts=Replicate()), RowwiseParallel(input_layouts=Replicate())
+
+
+# Hugging Face's own plans (base_model_tp_plan) with its newer words, and the same sharding
+# written for the real run with torch's styles (transformers.distributed.tensor_parallel):
+# Qwen3's and Gemma3's per-head q_norm/k_norm 'replicated_with_grad_allreduce' (whole on every
+# rank; the gradient all-reduce is in place), Phi-3's fused projections 'colwise_gather_output'
+# and 'rowwise_split_input'. Gemma3 at S = 48, past its 32-token sliding window: the guard there
+# pins S in the trace across it, so the point is traced with S fixed.
+HF_TP = {
+    "qwen3": (("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)), None, 16),
+    "phi3": (("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)), "rep", 16),
+    "gemma3": (("Gemma3TextConfig", "Gemma3ForCausalLM",
+                dict(head_dim=16, sliding_window=32)), None, 48),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(HF_TP))
+def test_tp_hugging_face_plan_words_match_real_gloo_run(kind):
+    (config, cls, extra), styles, s = HF_TP[kind]
+    factory = functools.partial(O.hf_causal_lm, config, cls, **extra)
+    with torch.device("meta"):
+        words = set(factory().config.base_model_tp_plan.values())
+    assert words - {"colwise", "rowwise"}, words   # the words this test is about
+    plan = dict(O.LLAMA_TP_PLAN)
+    if styles == "rep":
+        col, row = _rep_styles()
+        plan = {"model.layers.*.self_attn.qkv_proj": col, "model.layers.*.self_attn.o_proj": row,
+                "model.layers.*.mlp.gate_up_proj": col, "model.layers.*.mlp.down_proj": row}
+    report = _predict(factory, LM, tp=TensorParallel(2))
+    got, want = _compare(report, factory, functools.partial(O.llama_inputs, batch=2, seq=s),
+                         O.TP(plan=plan), {"B": 2, "S": s})
+    assert got == want
+
+
 @pytest.mark.slow
 def test_fsdp_x_tp_2d_mesh_matches_real_gloo_run():
     """dp 2 x tp 2, 4 real ranks: every rank equal to the prediction, to the byte."""
@@ -310,6 +349,21 @@ def test_tp_plans_and_errors():
                                               sequence_parallel=True))
     with pytest.raises(StrategyError, match="does not divide 0.0's output size 256"):
         tp_plan(O.mlp_model(), TensorParallel(3, plan={"0.0": "colwise"}))
+    # Hugging Face's newer words: q_norm/k_norm stay whole, Phi-3's fused layers gather
+    with torch.device("meta"):
+        q = O.hf_causal_lm("Qwen3Config", "Qwen3ForCausalLM", head_dim=16)
+        p3 = O.hf_causal_lm("Phi3Config", "Phi3ForCausalLM", pad_token_id=0)
+    qp = tp_plan(q, TensorParallel(2))
+    assert "model.layers.0.self_attn.q_norm" not in qp
+    assert qp["model.layers.0.self_attn.q_proj"] == "colwise"
+    pp = tp_plan(p3, TensorParallel(2))
+    assert (pp["model.layers.0.self_attn.qkv_proj"], pp["model.layers.1.mlp.down_proj"]) == (
+        "colwise_rep", "rowwise_rep")
+    with pytest.raises(StrategyError, match="style 'mla_kv_a_proj' is not one of colwise"):
+        tp_plan(m, TensorParallel(2, plan={"model.layers.*.self_attn.q_proj": "mla_kv_a_proj"}))
+    with pytest.raises(StrategyError, match="sequence parallelism with a rowwise_rep layer "
+                                            r"\(model.layers.0.mlp.down_proj\)"):
+        tp_plan(p3, TensorParallel(2, sequence_parallel=True))
     with pytest.raises(StrategyError, match="fsdp and zero"):
         from memsim.strategies import ZeRO
         analyze(m, LM, fsdp=FSDP(2), zero=ZeRO(3, 2))

@@ -78,7 +78,8 @@ from .common import ChangeLog, default_loss
 __all__ = [
     "Plain", "FSDP2", "TP", "DeepSpeed", "RankMemory", "measure", "measure_step",
     "measure_deepspeed_step",
-    "mlp_model", "mlp_inputs", "llama_model", "llama_inputs", "LLAMA_TP_PLAN", "default_loss",
+    "mlp_model", "mlp_inputs", "llama_model", "hf_causal_lm", "llama_inputs", "LLAMA_TP_PLAN",
+    "default_loss",
     "with_lora", "with_checkpointing", "in_dtype",
 ]
 
@@ -238,6 +239,20 @@ def llama_model(attn: str = "eager", layers: int = 2, use_cache: bool = False,
                       max_position_embeddings=positions, use_cache=use_cache)
     cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg)
+
+
+def hf_causal_lm(config: str, model: str, **extra) -> nn.Module:
+    """A small Hugging Face causal LM from config (fp32), as :func:`llama_model`'s widths:
+    ``config`` and ``model`` name transformers' classes (``"Qwen3Config"``,
+    ``"Qwen3ForCausalLM"``); ``extra`` config fields (``head_dim``, ``sliding_window``...)."""
+    import transformers
+
+    cfg = getattr(transformers, config)(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, **extra)
+    cfg._attn_implementation = "eager"
+    return getattr(transformers, model)(cfg)
 
 
 def llama_inputs(batch: int = 2, seq: int = 16, vocab: int = 128) -> dict:
