@@ -264,7 +264,8 @@ def _mesh(dp: int, tp: int, rank: int = 0):
 def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
     """The plan as ``{module path: style}`` for the modules of ``model`` it matches."""
     plan = tp.plan
-    if plan == "auto":
+    auto = plan == "auto"
+    if auto:
         cfg = getattr(model, "config", None)
         plan = getattr(cfg, "base_model_tp_plan", None)
         if not plan:
@@ -288,6 +289,11 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
         style = PLAN_WORDS[word]
         rx = fnmatch.translate(pat).replace(".*", "[^.]*")
         hit = [n for n in names if re.fullmatch(rx, n)]
+        if not hit and auto:
+            # Hugging Face's plan covers every variant of the family's layers (Qwen3-MoE's
+            # dense mlp.gate_proj, for the layers in mlp_only_layers): an entry this model has
+            # no module for does nothing, as in Hugging Face's own loading
+            continue
         if not hit:
             raise StrategyError(f"tensor-parallel plan entry {pat!r} matches no module",
                                 hint="patterns match module paths; * stands for one component")
@@ -300,6 +306,10 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
                 out.pop(n, None)
             else:
                 out[n] = style
+    if auto and not out:
+        raise StrategyError(f"{type(model).__name__}'s Hugging Face tensor-parallel plan matches "
+                            "none of its modules",
+                            hint="give one: TensorParallel(tp, plan={...}) or --tp-plan")
     out = _lora_split(model, out, tp)
     _check_divisible(model, out, tp.tp)
     return sp_plan(model, out) if tp.sequence_parallel else out

@@ -359,6 +359,14 @@ def test_tp_plans_and_errors():
     pp = tp_plan(p3, TensorParallel(2))
     assert (pp["model.layers.0.self_attn.qkv_proj"], pp["model.layers.1.mlp.down_proj"]) == (
         "colwise_rep", "rowwise_rep")
+    # Qwen3-MoE's plan names the dense MLP of its mlp_only_layers: with every layer sparse
+    # those entries match nothing and do nothing (Hugging Face's loading skips them too)
+    with torch.device("meta"):
+        moe = O.hf_causal_lm("Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=16,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    mp = tp_plan(moe, TensorParallel(2))
+    assert "model.layers.0.mlp.experts" not in mp and not any(".mlp." in k for k in mp)
+    assert mp["model.layers.1.self_attn.o_proj"] == "rowwise"
     with pytest.raises(StrategyError, match="style 'mla_kv_a_proj' is not one of colwise"):
         tp_plan(m, TensorParallel(2, plan={"model.layers.*.self_attn.q_proj": "mla_kv_a_proj"}))
     with pytest.raises(StrategyError, match="sequence parallelism with a rowwise_rep layer "
