@@ -267,10 +267,20 @@ class DeepSpeedDriver(Driver):
         process_group(self.world, self.rank)
         deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,
                                         verbose=False)
-        with real_meshes():
-            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
-                                                   optimizer=optimizer(params),
-                                                   config=self.config)
+        try:
+            with real_meshes():
+                self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
+                                                       optimizer=optimizer(params),
+                                                       config=self.config)
+        except ValueError as e:
+            if "tp_plan" not in str(e):
+                raise
+            # DeepSpeed's own limit (module_inject/tp_plan_converter.py): a real run stops here
+            raise StrategyError(
+                "DeepSpeed's AutoTP refuses the model's Hugging Face tensor-parallel plan: "
+                + str(e).split(". ")[0],
+                hint="a real DeepSpeed run fails the same way; PyTorch's tensor parallelism "
+                     "reads this plan (--tp without --zero, or with --fsdp)") from e
         # AutoTP's one-time check that every TP rank got the same batch (it pickles the inputs)
         check = getattr(self.engine, "first_dataloader_check", None)
         if check is not None:
@@ -329,8 +339,15 @@ def _label_master_grads(opt, recorder) -> None:
 
 
 def _real_mesh(backend):
-    """AutoTP's device mesh, built outside the fake mode (its rank table is real integers)."""
-    return outside_fake(backend.init_device_mesh)
+    """AutoTP's device mesh, built outside the fake mode (its rank table is real integers), on
+    the CPU's device type: DeepSpeed names its accelerator's device, and torch refuses the fake
+    GPU device's "cpu:1" ("Device type with index is not supported"); the mesh holds no
+    tensor of the step."""
+    def init_device_mesh(self, mesh_shape, mesh_dim_names):
+        from torch.distributed.device_mesh import init_device_mesh as make
+        return make("cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
+
+    return outside_fake(init_device_mesh)
 
 
 def _tensors(x) -> list:

@@ -231,6 +231,13 @@ def test_zero_settings_errors():
         strategy_analyze(m, LM, zero=ZeRO(1, 2), tp=TensorParallel(2, sequence_parallel=True))
     with pytest.raises(StrategyError, match="bf16-mixed"):
         strategy_analyze(m, LM, zero=ZeRO(1, 2), precision="bf16-mixed", inference=False)
+    # DeepSpeed's own AutoTP refuses Phi-3's plan words (PyTorch's TP reads them)
+    _need_deepspeed()
+    with torch.device("meta"):
+        phi3 = O.hf_causal_lm("Phi3Config", "Phi3ForCausalLM", pad_token_id=0)
+    with pytest.raises(StrategyError, match=r"(?s)AutoTP refuses.*rowwise_split_input.*--fsdp"):
+        strategy_analyze(phi3, LM, zero=ZeRO(1, 1, **BUCKETS), tp=TensorParallel(2),
+                         inference=False)
 
 
 @pytest.mark.slow
@@ -298,6 +305,21 @@ def test_zero3_on_gpu_with_hugging_face_kv_cache():
     # the cache's keys and values on the device at the peak: 2 layers x (keys + values) x B 2
     # x 2 KV heads x S 16 x head 16 x 4 bytes (1,729,536 B without it)
     assert on == off + 2 * 2 * 2 * 2 * 16 * 16 * 4
+
+
+def test_zero_with_autotp_on_gpu():
+    """DeepSpeed's AutoTP builds its device mesh on its accelerator's device name, which on
+    the fake GPU device is "cpu:1": torch refused it ("Device type with index is not
+    supported"), so ZeRO x TP failed on every model modelling CUDA. The mesh is built on the
+    CPU's device type (it holds no tensor of the step); the CPU run of the same composition is
+    compared with real DeepSpeed above (lora-llama-z1-fp32-autotp2x2)."""
+    _need_deepspeed()
+    with torch.device("meta"):
+        m = O.llama_model()
+    r = strategy_analyze(m, LM, device="cuda", zero=ZeRO(1, dp=1, **BUCKETS),
+                         tp=TensorParallel(2), inference=False)
+    assert "AutoTP over 2 tensor-parallel ranks" in r.notes[0]
+    assert r.at(B=2, S=16)["train"]["peak"] > 0
 
 
 def test_ddp_adds_one_gradient_copy():
