@@ -607,9 +607,21 @@ def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
     if fsdp.param_dtype or fsdp.reduce_dtype:
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=_dtype(fsdp.param_dtype), reduce_dtype=_dtype(fsdp.reduce_dtype))
-    for u in units:
+    for u in _inner_first(units):
         fully_shard(mods[u], mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **kw)
     fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **kw)
+
+
+def _inner_first(units: list[str]) -> list[str]:
+    """``units`` with every unit inside another sharded before it, as FSDP2 needs: each
+    ``fully_shard`` takes the parameters no inner unit took, and a parameter it finds already
+    sharded fails (ConvNext's ``_no_split_modules`` name both its stages and their layers:
+    "Cannot concatenate overlapping meshes"). Units that do not nest keep their order."""
+    nested = any(v.startswith(u + ".") for u in units for v in units)
+    if not nested:
+        return list(units)
+    index = {u: i for i, u in enumerate(units)}
+    return sorted(units, key=lambda u: (-u.count("."), index[u]))
 
 
 # the short names users type (torchtitan's and Lightning's configs, the CLI) for torch's dtypes

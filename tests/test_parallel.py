@@ -16,6 +16,7 @@ from oracle import figures
 pytest.importorskip("torch.distributed.fsdp")
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
 MLP = {"input": ("float32", ["B", 64])}
+IMG = {"pixel_values": ("float32", ["B", 3, 32, 32]), "labels": ("int64", ["B"])}
 MESH_2 = 2 * 4  # the oracle's `other`: the device mesh's rank layout, world size x int32
 MESH_2x2 = 2 * 2 * 4  # the same of a 2 x 2 mesh (its dp and tp slices hold no other tensor)
 # live in every rank that imports peft: bitsandbytes' NF4 and FP4 code tables (2 x 16 float32)
@@ -76,6 +77,24 @@ def test_tp_llama_matches_real_gloo_run(attn, b, s):
     got, want = _compare(report, factory, functools.partial(O.llama_inputs, batch=b, seq=s),
                          O.TP(), {"B": b, "S": s})
     assert got == want  # exact: DTensor's sharding propagation is not recorded
+
+
+@pytest.mark.slow
+def test_fsdp2_nested_units_match_real_gloo_run():
+    """ConvNext's ``_no_split_modules`` name both its stages and the layers inside them: the
+    default units nest. Sharded outer first, the inner ``fully_shard`` found its parameters
+    already sharded and failed ("Cannot concatenate overlapping meshes"); inner units are
+    sharded first (each stage then takes its downsampling layer), and the real run sharded in
+    that order equals the prediction in every figure."""
+    factory = functools.partial(O.hf_model, "ConvNextConfig", "ConvNextForImageClassification",
+                                hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                num_labels=10)
+    report = _predict(factory, IMG, fsdp=FSDP(2))
+    inner_first = ([f"convnext.encoder.stages.{i}.layers.0" for i in range(4)]
+                   + [f"convnext.encoder.stages.{i}" for i in range(4)])
+    got, want = _compare(report, factory, functools.partial(O.image_inputs, batch=2),
+                         O.FSDP2(blocks=inner_first), {"B": 2})
+    assert got == want
 
 
 def _rep_styles():

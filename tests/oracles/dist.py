@@ -78,7 +78,8 @@ from .common import ChangeLog, default_loss
 __all__ = [
     "Plain", "FSDP2", "TP", "DeepSpeed", "RankMemory", "measure", "measure_step",
     "measure_deepspeed_step",
-    "mlp_model", "mlp_inputs", "llama_model", "hf_causal_lm", "llama_inputs", "LLAMA_TP_PLAN",
+    "mlp_model", "mlp_inputs", "llama_model", "hf_causal_lm", "hf_model", "image_inputs",
+    "llama_inputs", "LLAMA_TP_PLAN",
     "default_loss",
     "with_lora", "with_checkpointing", "in_dtype",
 ]
@@ -253,6 +254,19 @@ def hf_causal_lm(config: str, model: str, **extra) -> nn.Module:
         use_cache=False, **extra)
     cfg._attn_implementation = "eager"
     return getattr(transformers, model)(cfg)
+
+
+def hf_model(config: str, model: str, **fields) -> nn.Module:
+    """A Hugging Face model from config (fp32): ``config`` and ``model`` name transformers'
+    classes, ``fields`` the config's fields."""
+    import transformers
+
+    return getattr(transformers, model)(getattr(transformers, config)(**fields))
+
+
+def image_inputs(batch: int = 2, size: int = 32, classes: int = 10) -> dict:
+    return {"pixel_values": torch.randn(batch, 3, size, size),
+            "labels": torch.randint(0, classes, (batch,))}
 
 
 def llama_inputs(batch: int = 2, seq: int = 16, vocab: int = 128) -> dict:
