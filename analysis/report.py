@@ -150,11 +150,11 @@ class _Beside:
         from memsim.tracer.trace import _joined
         self._done.detach()
         data = _joined(self._child)
-        try:
-            report = pickle.loads(data) if data is not None else None
-        except Exception:  # noqa: BLE001 - a report that does not load: traced here instead
+        if data is None:
             return None
-        if report is None:
+        try:
+            report = pickle.loads(data)
+        except Exception:  # noqa: BLE001 - a report that does not load: traced here instead
             return None
         for r in [report] + [c.report for c in getattr(report, "rank_classes", ())]:
             if r.retracer is None:

@@ -276,9 +276,9 @@ def tp_plan(model: torch.nn.Module, tp: TensorParallel) -> dict[str, str]:
         prefix = getattr(model, "base_model_prefix", "")
         if prefix and hasattr(model, prefix):
             plan = {f"{prefix}.{k}": v for k, v in plan.items()}
-    names = [n for n, _ in model.named_modules() if n]
-    out: dict[str, str] = {}
     mods = dict(model.named_modules())
+    names = [n for n in mods if n]
+    out: dict[str, str] = {}
     for pat, style in plan.items():
         word = str(style).removesuffix("_parallel")
         if word not in PLAN_WORDS:
