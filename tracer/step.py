@@ -58,6 +58,7 @@ from .records import Category, LeafRecord, OpRecord, Phase, RunRecord
 from .recorder import Recorder
 from .sources import model_source
 from .spec import TensorSpec
+from .symcache import remembered
 
 LossFn = Callable[[Any], torch.Tensor]
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -316,6 +317,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     was_training = model.training
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(remembered())
             inputs, symbols = _enter_run(stack, recorder, model, specs, config, hints, train,
                                          transform, driver if driven else None, patches)
             model.train(train)
