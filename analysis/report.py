@@ -70,13 +70,15 @@ class Retracer:
 
     def moved(self, hints: Mapping[str, int], already: Mapping[str, int] | None = None):
         """The analysis traced at other example sizes (``hints`` over the config's): across a
-        guard of the code path, the formulas of the other side."""
+        guard of the code path, the formulas of the other side. Where the code path there pins
+        a symbol it raises :class:`~memsim.tracer.SpecializationError` (no fit: the callers
+        trace past that size, or at the size asked for)."""
         key = ("hints",) + tuple(sorted(hints.items()))
         if key not in self.cache:
             self.cache[key] = self.analyze(
                 self.model, self.inputs, self.config.replace(hints={**self.config.hints,
                                                                     **hints}),
-                fixed=dict(already or {}), explore=False, **self.options)
+                fixed=dict(already or {}), explore=False, fit=False, **self.options)
         return self.cache[key]
 
     def _sub(self, fixed: Mapping[str, int]) -> "Retracer":
@@ -563,6 +565,8 @@ def cross_guards(report: Report) -> Report:
     regimes: list[Regime] = []
     notes: list[str] = []
     for name in report.symbols:
+        if name not in report.ranges:   # fitted (its code pins it): the fit says where it holds
+            continue
         lo, hi = report.ranges[name]
         limit = report.limit(name)
         current = report
@@ -578,6 +582,19 @@ def cross_guards(report: Report) -> Report:
             try:
                 sub = report.retracer.moved({name: hint}, report.fixed)
             except TraceError as e:
+                if isinstance(e, SpecializationError) and e.symbol == name and current is not None:
+                    # the guards there hold at that one size (a sliding-window cache's slice
+                    # is the whole dimension at S = window - 1): a code path of its own, and
+                    # the model goes on past it (twice in a row: each size is its own)
+                    notes.append(f"{name} = {hi + 1}..{hint} takes a code path of its own at "
+                                 f"each size (at {name}={hint} the model's code ties {name} to "
+                                 "its size): traced with the size fixed when asked for")
+                    current, hi = None, hint
+                    continue
+                if isinstance(e, SpecializationError) and e.symbol == name:
+                    notes.append(f"past {name}={hi} the model's code ties {name} to its size "
+                                 f"(traced at {name}={hint}); each size is traced when asked for")
+                    break
                 notes.append(f"{name} ends at {hi}: traced at {name}={hint}, the model fails "
                              f"({e.message}); taken as the model's own limit")
                 break

@@ -1,5 +1,7 @@
 """Hugging Face GPT-2 and Llama from small configs: prediction == real eager CPU run."""
 
+import functools
+
 import pytest
 
 from conftest import grid
@@ -27,6 +29,36 @@ def test_causal_lm_matches_real_run(factory):
     report = predict(factory, LM)
     assert report.ranges["S"] == (2, 64)  # the model's own position limit
     check(report, factory, LM, grid(B=(2, 3, 5), S=(4, 9, 16)))
+
+
+def bloom():
+    return T.BloomForCausalLM(T.BloomConfig(hidden_size=64, n_layer=2, n_head=4,
+                                            vocab_size=100, bos_token_id=0, eos_token_id=0))
+
+
+def test_bloom_alibi_matches_real_run():
+    """BLOOM adds its ALiBi bias with baddbmm, broadcast from (B*H, 1, S): torch's meta kernel
+    fails on symbolic sizes, memsim's rule allocates the one output the kernel does."""
+    report = predict(bloom, LM)
+    check(report, bloom, LM, grid(B=(2, 3), S=(4, 9, 16)))
+
+
+def deepseek_v2():
+    """Multi-head latent attention, rotary frequencies made with torch.polar, a first dense
+    layer then routed and shared experts."""
+    return T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=100, max_position_embeddings=64, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_shared_experts=1))
+
+
+def test_deepseek_v2_matches_real_run():
+    """torch.polar's fake kernel pinned S (no DeepSeek-V2 could be analysed); memsim's rule
+    allocates the one complex output the kernels do."""
+    report = predict(deepseek_v2, LM)
+    check(report, deepseek_v2, LM, grid(B=(2, 3), S=(4, 9, 16)))
 
 
 @pytest.mark.slow
@@ -133,24 +165,30 @@ def test_cli_drop_outputs_and_a_misspelled_input(capsys):
     assert "'lables'" in err and "did you mean 'labels'" in err
 
 
-def mistral():
+def mistral(window=16):
     """A sliding window of 16 positions in 128."""
     return T.MistralForCausalLM(T.MistralConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=100, max_position_embeddings=128, sliding_window=16))
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=128,
+        sliding_window=window))
 
 
-def test_sliding_window_regimes_match_real_runs():
+@pytest.mark.parametrize("window", [16, 32])
+def test_sliding_window_regimes_match_real_runs(window):
     """Below the window HF's cache keeps the whole sequence and attention is causal; past it,
-    the cache keeps the window's last positions and a (B, 1, S, S) mask is built; at S = 15
-    exactly, the slice that keeps them is the whole dimension (a path of one size). The
-    trace's guard S <= 14 is crossed (it was reported as the model's limit): every side is
-    traced and equals real runs, up to the model's 128 positions."""
-    report = predict(mistral, LM)
-    assert report.ranges["S"] == (2, 14) and report.extent["S"] == (2, 128)
-    assert [(g.symbol, g.lo, g.hi) for g in report.regimes] == [("S", 16, 128)]
-    assert any("S = 15..15" in n for n in report.notes)
-    check(report, mistral, LM, grid(B=(2, 3), S=(9, 14, 15, 16, 40, 128)))
+    the cache keeps the window's last positions and a (B, 1, S, S) mask is built; at S =
+    window - 1 exactly, the slice that keeps them is the whole dimension (a path of one size).
+    The trace's guard S <= window - 2 is crossed (it was reported as the model's limit): every
+    side is traced and equals real runs, up to the model's 128 positions. With a window of 32
+    the guard is crossed at S = 31, the size whose guards pin S (a prime, as the sizes traced
+    past a guard are): it was taken as the model's own limit, S <= 30."""
+    factory = functools.partial(mistral, window)
+    report = predict(factory, LM)
+    w = window
+    assert report.ranges["S"] == (2, w - 2) and report.extent["S"] == (2, 128)
+    assert [(g.symbol, g.lo, g.hi) for g in report.regimes] == [("S", w, 128)]
+    assert any(f"S = {w - 1}..{w - 1}" in n for n in report.notes), report.notes
+    check(report, factory, LM, grid(B=(2, 3), S=(9, w - 2, w - 1, w, 40, 128)))
 
 
 def test_sliding_window_regimes_under_a_strategy():

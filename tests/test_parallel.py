@@ -137,6 +137,22 @@ def test_tp_hugging_face_plan_words_match_real_gloo_run(kind):
 
 
 @pytest.mark.slow
+def test_tp_where_the_model_pins_a_symbol_matches_real_gloo_run():
+    """Cohere2 keeps a sliding-window KV cache in training (``use_cache=True``, the default):
+    with a window of 8 tokens and SDPA its slice pins S, and the formulas in S are fitted.
+    Under TP the strategy's report followed its other symbols past their guards and failed on
+    the fitted one (``KeyError: 'S'``, raw). At a point inside the fit, equal to a real run."""
+    factory = functools.partial(O.hf_causal_lm, "Cohere2Config", "Cohere2ForCausalLM",
+                                sliding_window=8, use_cache=True, attn_implementation="sdpa",
+                                layer_types=["sliding_attention", "full_attention"])
+    report = _predict(factory, LM, tp=TensorParallel(2))
+    assert "fitted" in report.notes[0], report.notes
+    got, want = _compare(report, factory, functools.partial(O.llama_inputs, batch=2, seq=20),
+                         O.TP(plan=O.LLAMA_TP_PLAN), {"B": 2, "S": 20})
+    assert got == want
+
+
+@pytest.mark.slow
 def test_fsdp_x_tp_2d_mesh_matches_real_gloo_run():
     """dp 2 x tp 2, 4 real ranks: every rank equal to the prediction, to the byte."""
     report = _predict(O.llama_model, LM, fsdp=FSDP(2), tp=TensorParallel(2))

@@ -61,6 +61,31 @@ class _Padded(nn.Module):
         return self.lin(F.pad(x, (0, 0, 1, 1)))
 
 
+class _Alibi(nn.Module):
+    """Scores plus a bias broadcast from (B, 1, S), as BLOOM adds its ALiBi (baddbmm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x):  # (B, S, 8)
+        q = self.q(x)
+        return torch.baddbmm(x[..., :1].transpose(1, 2), q, q.transpose(1, 2), alpha=0.5)
+
+
+class _Polar(nn.Module):
+    """Rotary frequencies made with torch.polar, as DeepSeek-V2 makes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):  # (B, S, 8)
+        with torch.no_grad():
+            f = torch.polar(torch.ones_like(x), x)
+        return self.lin(x) * torch.view_as_real(f)[..., 0]
+
+
 def _reached(run) -> set:
     before = hits()
     run()
@@ -84,6 +109,14 @@ def _traces():
             inference=False)
     analyze(full, {"x": ("float32", ["B", "S", 24])}, device="cpu", inference=False)
     analyze(pad, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
+    # baddbmm with an input broadcast into its output (BLOOM's ALiBi)
+    with meta():
+        alibi = _Alibi()
+    analyze(alibi, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
+    # torch.polar (DeepSeek-V2's rotary frequencies)
+    with meta():
+        polar = _Polar()
+    analyze(polar, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
     # nn.LSTM on CPU (oneDNN), issued from Python: its workspace and bias gradients
     analyze(lstm, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
     # nn.GRU on CPU, its C++ loop issued from Python (S fixed: the loop pins it)

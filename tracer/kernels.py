@@ -205,6 +205,46 @@ for _name in ("upsample_nearest1d", "upsample_nearest3d", "_upsample_nearest_exa
              "gradient")(_upsample_backward)
 
 
+# -- batched matmul added to a broadcast input -----------------------------------------------
+@rule(Kind.ATEN, aten.baddbmm.default,
+      doc="baddbmm with a broadcast input (BLOOM's ALiBi bias, (B*H, 1, S) + Q @ K^T): the meta "
+          "kernel expands it with a non-symbolic call and fails on symbolic sizes; the CPU and "
+          "CUDA kernels allocate one output of (batch, rows, cols) and copy the input into it")
+def _baddbmm(recorder, func, args, kwargs):
+    """``baddbmm(input, batch1, batch2, *, beta, alpha)``: one contiguous output of
+    ``(batch1.size(0), batch1.size(1), batch2.size(2))`` (ATen's structured kernel); ``input``
+    only broadcasts into it."""
+    x, b1, b2 = args[:3]
+    torch._check(b1.dim() == 3 and b2.dim() == 3, lambda: "batch1 and batch2 must be 3D tensors")
+    torch._check(x.dtype == b1.dtype == b2.dtype, lambda: (
+        f"Input dtypes must be the same, got: input: {x.dtype}, batch1: {b1.dtype}, "
+        f"batch2: {b2.dtype}"))
+    size = (b1.shape[0], b1.shape[1], b2.shape[2])
+    torch._check(b2.shape[0] == size[0] and b2.shape[1] == b1.shape[2], lambda: (
+        f"Expected size for first two dimensions of batch2 tensor to be: "
+        f"[{size[0]}, {b1.shape[2]}] but got: [{b2.shape[0]}, {b2.shape[1]}]."))
+    torch.broadcast_shapes(tuple(x.shape), size)   # input must broadcast (the kernel's expand)
+    return torch.empty(size, dtype=b2.dtype, device=b2.device)
+
+
+@rule(Kind.ATEN, aten.polar.default,
+      doc="torch.polar (DeepSeek-V2's rotary frequencies): its decomposition writes the real and "
+          "imaginary parts through complex views whose stride checks pin symbolic sizes; the CPU "
+          "and CUDA kernels allocate one complex output of the broadcast shape")
+def _polar(recorder, func, args, kwargs):
+    """``polar(abs, angle)``: one complex output (TensorIterator) of the inputs' broadcast
+    shape."""
+    a, angle = args[0], args[1] if len(args) > 1 else kwargs["angle"]
+    torch._check(a.dtype == angle.dtype and a.dtype in (torch.float32, torch.float64,
+                                                        torch.float16), lambda: (
+        f"Expected both inputs to be Half, Float or Double tensors but got {a.dtype} and "
+        f"{angle.dtype}"))
+    size = torch.broadcast_shapes(tuple(a.shape), tuple(angle.shape))
+    complex_of = {torch.float32: torch.complex64, torch.float64: torch.complex128,
+                  torch.float16: torch.complex32}
+    return torch.empty(size, dtype=complex_of[a.dtype], device=a.device)
+
+
 # -- grouped GEMM (MoE experts) --------------------------------------------------------------
 def _grouped_strides(name, m):
     """The kernels' own stride check: one of the last two dimensions contiguous, the other's

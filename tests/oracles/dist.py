@@ -245,14 +245,17 @@ def llama_model(attn: str = "eager", layers: int = 2, use_cache: bool = False,
 def hf_causal_lm(config: str, model: str, **extra) -> nn.Module:
     """A small Hugging Face causal LM from config (fp32), as :func:`llama_model`'s widths:
     ``config`` and ``model`` name transformers' classes (``"Qwen3Config"``,
-    ``"Qwen3ForCausalLM"``); ``extra`` config fields (``head_dim``, ``sliding_window``...)."""
+    ``"Qwen3ForCausalLM"``); ``extra`` config fields (``head_dim``, ``sliding_window``,
+    ``use_cache=True``...); eager attention unless ``attn_implementation`` says otherwise."""
     import transformers
 
-    cfg = getattr(transformers, config)(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False, **extra)
-    cfg._attn_implementation = "eager"
+    attn = extra.pop("attn_implementation", "eager")
+
+    cfg = getattr(transformers, config)(**{
+        **dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               use_cache=False), **extra})
+    cfg._attn_implementation = attn
     return getattr(transformers, model)(cfg)
 
 
