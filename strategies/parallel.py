@@ -182,6 +182,9 @@ def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):
     notes: tuple = (note,)
     if fsdp is not None and plan.config.device.value == "cuda":
         notes += (CUDA_FSDP_NOTE,)
+    untied = untied_note(plan.model, fsdp)
+    if untied:
+        notes += (untied,)
     def inside(model, rank):
         transform(fsdp, tp, rank)(model)
     inside.paths = _tp_paths(plan.model, tp)
@@ -580,7 +583,13 @@ def _chunk(n: int, parts: int, i: int) -> int:
 def fsdp_units(model: torch.nn.Module) -> list[str]:
     """The default FSDP units: modules of a Hugging Face model's ``_no_split_modules`` classes
     (its decoder layers), else the repeated blocks (:func:`memsim.strategies.checkpoint.blocks`), else
-    the children of a ``Sequential`` root."""
+    the children of a ``Sequential`` root; less those holding a parameter tied to one outside
+    them (:func:`tied_outside`: an MLM head's decoder shares the word embeddings, which
+    ModernBERT's ``_no_split_modules`` name), left to the root's group with their partner."""
+    return [u for u in _candidate_units(model) if not tied_outside(model, u)]
+
+
+def _candidate_units(model: torch.nn.Module) -> list[str]:
     from .checkpoint import blocks
 
     names = set(getattr(model, "_no_split_modules", None) or ())
@@ -594,6 +603,35 @@ def fsdp_units(model: torch.nn.Module) -> list[str]:
     return found
 
 
+def tied_outside(model: torch.nn.Module, unit: str) -> list[tuple[str, str]]:
+    """``(inside, outside)`` names of each parameter registered both inside module ``unit`` and
+    outside it (tied weights). FSDP2 refuses such a unit: a parameter belongs to one group."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    out = []
+    for group in names.values():
+        inside = [n for n in group if n.startswith(unit + ".")]
+        outside = [n for n in group if not n.startswith(unit + ".")]
+        if inside and outside:
+            out.append((inside[0], outside[0]))
+    return out
+
+
+def untied_note(model: torch.nn.Module, fsdp) -> str | None:
+    """What :func:`fsdp_units` left out for tied weights, in words (None: nothing)."""
+    if fsdp is None or fsdp.units != "blocks":
+        return None
+    left = [(u, tied_outside(model, u)[0]) for u in _candidate_units(model)
+            if tied_outside(model, u)]
+    if not left:
+        return None
+    u, (a, b) = left[0]
+    more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+    return (f"FSDP2 unit {u!r}{more} left to the root's group: its parameter {a!r} is tied to "
+            f"{b!r} outside it, and a parameter belongs to one FSDP group")
+
+
 def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -603,6 +641,14 @@ def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
         if u not in mods:
             raise StrategyError(f"FSDP unit {u!r} is not a module of the model",
                                 hint="units are module paths, e.g. 'model.layers.0'")
+        tied = tied_outside(model, u)
+        if tied:
+            # (fully_shard's own ValueError, raised inside the run, read as the model failing)
+            raise StrategyError(
+                f"FSDP unit {u!r} holds {tied[0][0]!r}, tied to {tied[0][1]!r} outside it: "
+                "a parameter belongs to one FSDP group, and fully_shard refuses the unit",
+                hint="leave the unit to the root's group (drop it from units), or name a "
+                     "module that holds both")
     kw = {}
     if fsdp.param_dtype or fsdp.reduce_dtype:
         kw["mp_policy"] = MixedPrecisionPolicy(

@@ -97,6 +97,27 @@ def test_fsdp2_nested_units_match_real_gloo_run():
     assert got == want
 
 
+@pytest.mark.slow
+def test_fsdp2_leaves_a_unit_with_tied_weights_to_the_root_matches_real_gloo_run():
+    """A masked-LM head's decoder shares the word embeddings, and BERT's default units name the
+    embeddings: fully_shard refused the unit (a raw ValueError, read as the model failing).
+    The unit is left to the root's group, with a note; equal to a real run sharded the same
+    way. Named by the user, it is a StrategyError saying which parameters are tied."""
+    from memsim.tracer import StrategyError
+    factory = functools.partial(O.hf_model, "BertConfig", "BertForMaskedLM", hidden_size=64,
+                                intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, vocab_size=128,
+                                max_position_embeddings=64)
+    report = _predict(factory, LM, fsdp=FSDP(2))
+    assert any("'bert.embeddings' left to the root" in n for n in report.notes), report.notes
+    layers = [f"bert.encoder.layer.{i}" for i in range(2)]
+    got, want = _compare(report, factory, functools.partial(O.llama_inputs, batch=2, seq=16),
+                         O.FSDP2(blocks=layers), {"B": 2, "S": 16})
+    assert got == want
+    with pytest.raises(StrategyError, match="tied to 'cls.predictions.decoder.weight'"):
+        _predict(factory, LM, fsdp=FSDP(2, units=("bert.embeddings",)))
+
+
 def _rep_styles():
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
