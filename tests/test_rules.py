@@ -86,6 +86,40 @@ class _Polar(nn.Module):
         return self.lin(x) * torch.view_as_real(f)[..., 0]
 
 
+class _LearnedMask(nn.Module):
+    """SDPA with an additive mask made from the input (Doge's dynamic mask): its gradient is
+    the memory-efficient backward's fourth output on CUDA."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.qkv, self.mask, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, 1), heads
+
+    def forward(self, x):  # (B, S, d)
+        b, s, d = x.shape
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, -1))
+        mask = self.mask(x).transpose(1, 2).unsqueeze(1)   # (B, 1, 1, S)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+def test_efficient_backward_rule_makes_the_meta_kernels_tensors():
+    """The rule's gradients have the shapes, strides and storage sizes of torch's own meta
+    kernel for the op (which fails under fake tensors only), the mask's padded to 16."""
+    from torch._meta_registrations import meta__scaled_dot_product_efficient_backward as meta
+
+    from memsim.tracer.cuda import _efficient_backward
+    op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    for s in (7, 16, 33):
+        q, k, v = (torch.empty(2, 4, s, 8, device="meta") for _ in range(3))
+        bias = torch.empty(2, 4, s, s, device="meta")
+        args = (q, q, k, v, bias, q, torch.empty(2, 4, 32, device="meta"),
+                torch.empty((), dtype=torch.long), torch.empty((), dtype=torch.long), 0.0,
+                [True, True, True, True])
+        for mine, theirs in zip(_efficient_backward(None, op, args, {}), meta(*args)):
+            assert (mine.shape, mine.stride(), mine.untyped_storage().nbytes()) == \
+                (theirs.shape, theirs.stride(), theirs.untyped_storage().nbytes())
+
+
 def _reached(run) -> set:
     before = hits()
     run()
@@ -113,6 +147,10 @@ def _traces():
     with meta():
         alibi = _Alibi()
     analyze(alibi, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
+    # memory-efficient attention's backward with a mask that requires grad, on CUDA
+    with meta():
+        learned = _LearnedMask()
+    analyze(learned, SEQ, device="cuda", precision="bf16-mixed", inference=False)
     # torch.polar (DeepSeek-V2's rotary frequencies)
     with meta():
         polar = _Polar()

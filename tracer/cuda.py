@@ -12,7 +12,9 @@ tensors; this module switches the few ops whose CUDA kernel keeps different memo
   call, padded where its rows are not 8-aligned (``attention.cpp``). The math path remains
   where neither fused kernel takes the call (fp32 with grouped-query heads). Not measured on a
   GPU; the kernels' internal workspaces (memory-efficient attention's fp32 accumulator above a
-  head size of 128, flash backward's fp32 dq accumulator) are not modelled.
+  head size of 128, flash backward's fp32 dq accumulator) are not modelled. A mask that
+  requires grad gets the padded gradient the memory-efficient backward allocates
+  (:func:`_efficient_backward`).
 - ``F.dropout`` (training, p > 0): CUDA runs ``native_dropout`` and saves a bool mask (1 byte per
   element); the CPU path saves a float mask (4 bytes). Routed to ``native_dropout``.
 """
@@ -138,3 +140,33 @@ def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     out, _attn = torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=bool(gqa))
     return out
+
+
+@rule(Kind.ATEN, torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
+      device="cuda",
+      doc="memory-efficient attention's backward with a mask that requires grad (Doge's learned "
+          "dynamic mask): the meta kernel slices the padded bias gradient inside itself, which "
+          "fails under fake tensors (an internal assert in torch's argument parser); the same "
+          "tensors, the slice taken outside")
+def _efficient_backward(recorder, func, args, kwargs):
+    """``_scaled_dot_product_efficient_attention_backward``: the gradients of q, k and v in
+    (B, S, H, D) memory order, and of the mask (when asked for) as ``_efficient_attention_
+    backward`` makes it: its last dimension padded to 16 elements, then sliced back (a view of
+    the padded storage)."""
+    names = ("grad_out", "query", "key", "value", "attn_bias", "out", "logsumexp",
+             "philox_seed", "philox_offset", "dropout_p", "grad_input_mask")
+    a = dict(zip(names, args), **kwargs)
+    q, k, v, bias = a["query"], a["key"], a["value"], a["attn_bias"]
+
+    def permuted(t, rows, dim):   # (batch and heads are the query's, as the kernel's)
+        return torch.empty_permuted((q.size(0), q.size(1), rows, dim), (0, 2, 1, 3),
+                                    dtype=t.dtype, device=t.device)
+
+    grads = [permuted(q, q.size(2), q.size(3)), permuted(k, k.size(2), q.size(3)),
+             permuted(v, k.size(2), v.size(3)), None]
+    if bias is not None and a["grad_input_mask"][3]:
+        n = bias.size(-1)
+        padded = torch.empty([*bias.shape[:-1], (n + 15) // 16 * 16], dtype=bias.dtype,
+                             device=bias.device)
+        grads[3] = padded.narrow(-1, 0, n)
+    return tuple(grads)
