@@ -240,6 +240,8 @@ def test_every_cuda_autocast_entry_gives_fp32(entry):
 def test_every_inductor_entry_names_an_op(entry):
     """Each entry names an ATen (or prims) op, and a node calling it is lowered as the entry
     says (or as its pointwise tag says, which decides first)."""
+    import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_random...
+
     from memsim.tracer.compiled import _kind
 
     ns = torch.ops.aten if hasattr(torch.ops.aten, entry.key) else torch.ops.prims
