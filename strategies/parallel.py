@@ -586,7 +586,8 @@ def fsdp_units(model: torch.nn.Module) -> list[str]:
     the children of a ``Sequential`` root; less those holding a parameter tied to one outside
     them (:func:`tied_outside`: an MLM head's decoder shares the word embeddings, which
     ModernBERT's ``_no_split_modules`` name), left to the root's group with their partner."""
-    return [u for u in _candidate_units(model) if not tied_outside(model, u)]
+    tied = _tied(model)
+    return [u for u in _candidate_units(model) if not tied_outside(model, u, tied)]
 
 
 def _candidate_units(model: torch.nn.Module) -> list[str]:
@@ -603,14 +604,21 @@ def _candidate_units(model: torch.nn.Module) -> list[str]:
     return found
 
 
-def tied_outside(model: torch.nn.Module, unit: str) -> list[tuple[str, str]]:
-    """``(inside, outside)`` names of each parameter registered both inside module ``unit`` and
-    outside it (tied weights). FSDP2 refuses such a unit: a parameter belongs to one group."""
+def _tied(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each parameter registered under more than one name (tied weights)."""
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
+    return [g for g in names.values() if len(g) > 1]
+
+
+def tied_outside(model: torch.nn.Module, unit: str,
+                 tied: list[list[str]] | None = None) -> list[tuple[str, str]]:
+    """``(inside, outside)`` names of each parameter registered both inside module ``unit`` and
+    outside it (tied weights; ``tied``: :func:`_tied` of the model, where known). FSDP2
+    refuses such a unit: a parameter belongs to one group."""
     out = []
-    for group in names.values():
+    for group in _tied(model) if tied is None else tied:
         inside = [n for n in group if n.startswith(unit + ".")]
         outside = [n for n in group if not n.startswith(unit + ".")]
         if inside and outside:
@@ -622,8 +630,11 @@ def untied_note(model: torch.nn.Module, fsdp) -> str | None:
     """What :func:`fsdp_units` left out for tied weights, in words (None: nothing)."""
     if fsdp is None or fsdp.units != "blocks":
         return None
-    left = [(u, tied_outside(model, u)[0]) for u in _candidate_units(model)
-            if tied_outside(model, u)]
+    tied = _tied(model)
+    if not tied:
+        return None
+    left = [(u, tied_outside(model, u, tied)[0]) for u in _candidate_units(model)
+            if tied_outside(model, u, tied)]
     if not left:
         return None
     u, (a, b) = left[0]
@@ -637,11 +648,12 @@ def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
 
     units = fsdp_units(model) if fsdp.units == "blocks" else list(fsdp.units)
     mods = dict(model.named_modules())
+    shared = _tied(model)
     for u in units:
         if u not in mods:
             raise StrategyError(f"FSDP unit {u!r} is not a module of the model",
                                 hint="units are module paths, e.g. 'model.layers.0'")
-        tied = tied_outside(model, u)
+        tied = tied_outside(model, u, shared)
         if tied:
             # (fully_shard's own ValueError, raised inside the run, read as the model failing)
             raise StrategyError(
