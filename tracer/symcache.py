@@ -105,6 +105,8 @@ def _expr(numbers: dict):
 def _maybe_as_int(numbers: dict):
     def maybe_as_int(self):
         e = self.expr
+        if isinstance(e, int):
+            return e
         return int(e) if _is_number(numbers, e) else None
 
     return maybe_as_int
