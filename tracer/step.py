@@ -495,10 +495,15 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
     _record(stack, recorder, model, inputs, config)
     call = driver.setup(model, trainable, optimizer_factory(config))
     for _ in range(driver.warmup):
-        loss = loss_fn(call(**inputs, **constants))
+        # the loop the measured step runs (_driven_step): its output and loss held to the end
+        # of the step, then dropped as the loop rebinds them
+        out = call(**inputs, **constants)
+        loss = loss_fn(out)
+        if not config.keep_outputs:
+            out = None
         driver.backward(loss)
         driver.step()
-        loss = None
+        out = loss = None
     driver.label(recorder)
     # what the warm-up left in reference cycles is collected before the step, and the
     # collector does not run inside it (as the oracle measures it)
