@@ -582,7 +582,11 @@ def cross_guards(report: Report) -> Report:
             try:
                 sub = report.retracer.moved({name: hint}, report.fixed)
             except TraceError as e:
-                if isinstance(e, SpecializationError) and e.symbol == name and current is not None:
+                if not (isinstance(e, SpecializationError) and e.symbol == name):
+                    notes.append(f"{name} ends at {hi}: traced at {name}={hint}, the model "
+                                 f"fails ({e.message}); taken as the model's own limit")
+                    break
+                if current is not None:
                     # the guards there hold at that one size (a sliding-window cache's slice
                     # is the whole dimension at S = window - 1): a code path of its own, and
                     # the model goes on past it (twice in a row: each size is its own)
@@ -591,14 +595,8 @@ def cross_guards(report: Report) -> Report:
                                  "its size): traced with the size fixed when asked for")
                     current, hi = None, hint
                     continue
-                if isinstance(e, SpecializationError) and e.symbol == name:
-                    notes.append(f"past {name}={hi} the model's code ties {name} to its size "
-                                 f"(traced at {name}={hint}); each size is traced when asked for")
-                    break
-                notes.append(f"{name} ends at {hi}: traced at {name}={hint}, the model fails "
-                             f"({e.message}); taken as the model's own limit")
-                break
-            if name not in sub.ranges:   # the model's code pins it there: no range to join
+                sub = None
+            if sub is None or name not in sub.ranges:   # the model's code pins it there
                 notes.append(f"past {name}={hi} the model's code ties {name} to its size "
                              f"(traced at {name}={hint}); each size is traced when asked for")
                 break

@@ -633,8 +633,7 @@ def untied_note(model: torch.nn.Module, fsdp) -> str | None:
     tied = _tied(model)
     if not tied:
         return None
-    left = [(u, tied_outside(model, u, tied)[0]) for u in _candidate_units(model)
-            if tied_outside(model, u, tied)]
+    left = [(u, t[0]) for u in _candidate_units(model) if (t := tied_outside(model, u, tied))]
     if not left:
         return None
     u, (a, b) = left[0]
