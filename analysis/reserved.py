@@ -137,14 +137,39 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
         elif record is not None and i > run.start:
             record.append(alloc.reserved)
 
+    first_event = _alloc_index(run)
+
+    def made_in_step(sid: int) -> bool:
+        return first_event[sid] >= run.start
+
+    def again(measure: bool) -> None:
+        """The measured step once more, from what the last walk left: the blocks of what
+        the step frees at its start are the ones the last walk made in their place
+        (:func:`_carry_over`); what else it made is dropped (the previous step's outputs and
+        loss, rebound by the loop)."""
+        alias = _carry_over(run, live0, held, nbytes, made_in_step)
+        for key in [k for k in held if k[0] == "s"
+                    and k not in alias.values() and made_in_step(k[1])]:
+            drop(key)
+        renamed: dict = {}
+        walk_events(run, run.start, nbytes, take, drop,
+                    lambda k: alias.get(k, renamed.get(k, k)), added, moved, keep, renamed,
+                    before=steady if measure else None, fresh=True)
+        # the blocks this walk made stand for their storages in the next one
+        for key in [k for k in held if k[0] == "s2"]:
+            if ("s", key[1]) not in held:
+                held[("s", key[1])] = held.pop(key)
+
+    live0 = _live_at(run, run.start)
     try:
         if run.warmed:  # warm-up steps traced: the measured step follows them in the run
             take(("ws",), workspace)
             added_at_start()
             walk_events(run, 0, nbytes, take, drop, lambda k: k, added, moved, keep, {},
-                        before=steady)
+                        before=None if run.replays else steady)
+            for k in range(run.replays):
+                again(measure=k == run.replays - 1)
         else:
-            live0 = _live_at(run, run.start)
             states = {sid for sid in live0 if run.storages[sid].category in
                       (Category.OPTIMIZER_STATE, Category.GRADIENT)}
             for sid in sorted(live0 - states):
@@ -164,19 +189,7 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
             walk_events(run, run.start, nbytes, take, drop, lambda k: k, added, moved, keep,
                         {}, before=first, absent={("s", sid) for sid in states
                                           if run.storages[sid].category is Category.GRADIENT})
-            first_event = _alloc_index(run)
-
-            def made_in_step(sid: int) -> bool:
-                return first_event[sid] >= run.start
-
-            alias = _carry_over(run, live0, held, nbytes, made_in_step)
-            for key in [k for k in held if k[0] == "s"
-                        and k not in alias.values() and made_in_step(k[1])]:
-                drop(key)  # the previous step's outputs and loss, rebound by the loop
-            renamed = {}
-            walk_events(run, run.start, nbytes, take, drop,
-                        lambda k: alias.get(k, renamed.get(k, k)), added, moved, keep, renamed,
-                        before=steady, fresh=True)
+            again(measure=True)
     except AllocatorOOM as e:
         return Reserved(alloc.peak_reserved, alloc.peak_allocated, alloc.reserved,
                         alloc.largest_free(), workspace, alloc.segments, alloc.retries,

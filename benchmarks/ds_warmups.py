@@ -6,11 +6,13 @@ the traced peak (``max_memory_allocated``) and the caching allocator replay
 (``analysis/reserved.py``: reserved, allocated as the allocator counts it, reserved when the
 peak is reached, the largest free block then). The step's bytes do not depend on the count
 (stage 3's coordinator completes its trace at the start of the second step); the replay starts
-from the traced history, so its figures can. Run on demand (needs ``pip install deepspeed``;
+from the traced history, so its figures can. ``N+R``: N warm-up steps traced, and the replay
+walks the measured step R more times before the one it measures (``RunRecord.replays``; stage
+3 on CUDA runs 1+1). Run on demand (needs ``pip install deepspeed``;
 about a minute)::
 
     python benchmarks/ds_warmups.py [--stage 3] [--layers 2] [--precision bf16-master]
-                                    [--warmups 1,2,3,4]
+                                    [--warmups 1+0,1+1,2+0,3+0,4+0]
 
 ``strategies/ds_engine.py`` quotes its output for stage 3, 2 layers, bf16-master.
 """
@@ -40,7 +42,8 @@ def main() -> None:
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--precision", default="bf16-master", help="fp32 or a memsim precision")
-    ap.add_argument("--warmups", default="1,2,3,4")
+    ap.add_argument("--warmups", default="1+0,1+1,2+0,3+0,4+0",
+                    help="N+R: N warm-up steps traced, R more replayed")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
@@ -52,10 +55,13 @@ def main() -> None:
     print(f"{'warm-ups':>8} {'B':>2} {'S':>5} {'traced peak':>15} {'reserved':>15} "
           f"{'allocated':>15} {'reserved@peak':>15} {'largest free':>13} {'trace s':>8}")
     init = DeepSpeedDriver.__init__
-    for n in (int(x) for x in args.warmups.split(",")):
-        def counted(self, *a, n=n, **kw):
+    for spec in args.warmups.split(","):
+        n, _, r = spec.partition("+")
+        n, r = int(n), int(r or 0)
+
+        def counted(self, *a, n=n, r=r, **kw):
             init(self, *a, **kw)
-            self.warmup = n
+            self.warmup, self.replays = n, r
 
         DeepSpeedDriver.__init__ = counted
         with torch.device("meta"):
@@ -67,7 +73,7 @@ def main() -> None:
         for b, s in POINTS:
             sub, pt = report.for_point({"B": b, "S": s})
             r = replay(sub.train, pt)
-            print(f"{n:>8} {b:>2} {s:>5} {sub.at(**pt)['train']['peak']:>15,} {r.reserved:>15,} "
+            print(f"{spec:>8} {b:>2} {s:>5} {sub.at(**pt)['train']['peak']:>15,} {r.reserved:>15,} "
                   f"{r.allocated:>15,} {r.reserved_at_peak:>15,} {r.largest_free_at_peak:>13,} "
                   f"{took:>8.1f}", flush=True)
 

@@ -2,15 +2,16 @@
 much memory per GPU, and what is the largest micro-batch at S=4096?
 
     python examples/llama13b_zero3.py               # FSDP2, ZeRO-3's equivalent in PyTorch
-    python examples/llama13b_zero3.py --deepspeed   # DeepSpeed's own ZeRO-3 engine (~80 s)
+    python examples/llama13b_zero3.py --deepspeed   # DeepSpeed's own ZeRO-3 engine (~45 s)
     python examples/llama13b_zero3.py --small       # a 2-layer, 64-wide Llama over 2 ranks, CPU
     python examples/llama13b_zero3.py --small --deepspeed   # the same through DeepSpeed
 
 The default form answers with FSDP2, PyTorch's equivalent of ZeRO stage 3 (parameters,
 gradients and optimizer states sharded over the 8 ranks, each layer's parameters all-gathered
-for its forward and again for its backward): about 30 s on 2 cores. Tracing DeepSpeed's own
-engine (``--deepspeed``) takes about 80 s on 2 cores (one rank traced, with DeepSpeed's two
-warm-up steps: every rank's partitions hold the same data); both are shown in the README ("Examples").
+for its forward and again for its backward): about 10 s on 2 cores. Tracing DeepSpeed's own
+engine (``--deepspeed``) takes about 45 s on 2 cores (one rank traced, with one warm-up step,
+the caching allocator's replay walking the step once more for the second: every rank's
+partitions hold the same data); both are shown in the README ("Examples").
 
 Modelled (traced), both forms: the layout of examples/llama13b.py (Llama-2-13B: 40 layers,
 hidden 5120, 40 heads, MLP 13824, vocab 32000; Hugging Face's own non-reentrant checkpointing of
@@ -20,9 +21,9 @@ step); AdamW; CUDA's kernel choices and the caching allocator's reserve (replaye
   group of 8 ranks; fp32 sharded parameters (the master weights), bf16 all-gathered parameters
   for compute and fp32 reduce-scatter (``MixedPrecisionPolicy``); every rank is equal.
 - DeepSpeed: ``deepspeed.initialize`` with ZeRO stage 3 on a fake process group of 8 ranks, its
-  loop (``engine(**inputs)``, ``engine.backward(loss)``, ``engine.step()``) after two warm-up
-  steps; DeepSpeed's bf16 mode (``precision="bf16-master"``: bf16 parameters, fp32 master
-  partitions), its default buckets (a 5e8-element reduce bucket), gathered parameters and
+  loop (``engine(**inputs)``, ``engine.backward(loss)``, ``engine.step()``) after a warm-up
+  step (and in the allocator's replay, a second); DeepSpeed's bf16 mode
+  (``precision="bf16-master"``: bf16 parameters, fp32 master partitions), its default buckets (a 5e8-element reduce bucket), gathered parameters and
   prefetches; torch's fused AdamW in place of DeepSpeed's FusedAdam (both update in place);
   one rank traced (stage 3 partitions each parameter on its own; every parameter's size
   divides by 8, so every rank's partitions hold the same data).

@@ -179,23 +179,26 @@ class DeepSpeedDriver(Driver):
     # completes it at the start of the second (reset_step, a forward pre-hook of the root),
     # which prefetches as every later step does: the step after one warm-up step has the same
     # bytes as after two (all of tests/test_zero.py; a step traced before the trace completes
-    # fails 11 of its 19 tests). Modelling CUDA, two are traced all the same: the caching
-    # allocator replay (analysis/reserved.py) starts from the traced history, and after one
+    # fails 11 of its 19 tests). One warm-up step is traced. Modelling CUDA, the caching
+    # allocator replay (analysis/reserved.py) starts from the traced history: after one
     # warm-up step its reserved and allocated bytes are already those after two, three or
     # four, but the reserved bytes and the largest free block when the peak is reached are
-    # not yet (benchmarks/ds_warmups.py: 2 of Llama-2-7B's layers, bf16, 8 ranks, B = 2,
-    # S = 512: reserved 6,012,534,784 B after each; at the peak 5,039,456,256 after one,
-    # 6,012,534,784 after two to four). On the CPU nothing is replayed: one.
-    warmup = 2
+    # not yet, so the replay walks the measured step once more before the one it measures
+    # (``replays``), which gives every figure of two traced warm-ups
+    # (benchmarks/ds_warmups.py: 2 of Llama-2-7B's layers, bf16, 8 ranks; at B = 2, S = 512
+    # reserved 6,012,534,784 B after each; at the peak 5,039,456,256 after one, 6,012,534,784
+    # after two to four and after one with the replay; the same at B = 4, S = 2048).
+    warmup = 1
+    replays = 0
     host_device = torch.device("cpu")
 
     def __init__(self, config: dict, world: int, rank: int = 0, gpu: bool = True):
         self.config, self.world, self.rank = config, world, rank
-        # stages 0-2 allocate everything they keep in their first step: one warm-up step
-        # (tests/test_zero.py compares it with real runs after two; the replay's figures after
-        # one and after two agree: benchmarks/ds_warmups.py --stage 2)
-        if config.get("zero_optimization", {}).get("stage", 0) < 3 or not gpu:
-            self.warmup = 1
+        # stages 0-2 allocate everything they keep in their first step: the replay's figures
+        # after one warm-up step and after two agree (benchmarks/ds_warmups.py --stage 2;
+        # tests/test_zero.py compares the bytes with real runs after two)
+        if config.get("zero_optimization", {}).get("stage", 0) >= 3 and gpu:
+            self.replays = 1
         self.device = GPU_DEVICE if gpu else "cpu"
         self.engine = None
 

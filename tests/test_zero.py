@@ -286,6 +286,44 @@ def test_zero_offload_splits_device_and_host_on_gpu():
     assert rr.allocated == g["peak"] and rr.reserved >= rr.allocated
 
 
+def test_zero3_on_gpu_replays_a_step_for_the_second_warm_up(monkeypatch):
+    """Modelling CUDA, stage 3 traces one warm-up step and the caching-allocator replay walks
+    the measured step once more before the one it measures (``RunRecord.replays``). After one
+    traced warm-up alone, the reserved bytes and the largest free block when the peak is
+    reached are not yet settled; with the replayed step every figure equals two traced warm-up
+    steps (2 of Llama-2-7B's layers, bf16, 8 ranks, DeepSpeed's default buckets;
+    ``python benchmarks/ds_warmups.py`` prints the same at two points and after 3 and 4)."""
+    _need_deepspeed()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memsim.analysis.reserved import replay
+    from memsim.strategies.ds_engine import DeepSpeedDriver
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+                      num_hidden_layers=2)
+    init = DeepSpeedDriver.__init__
+    got = {}
+    for warmup, replays in ((1, 0), (1, 1), (2, 0)):
+        def counted(self, *a, n=warmup, r=replays, **kw):
+            init(self, *a, **kw)
+            assert (self.warmup, self.replays) == (1, 1)  # stage 3 on CUDA by default
+            self.warmup, self.replays = n, r
+
+        monkeypatch.setattr(DeepSpeedDriver, "__init__", counted)
+        with torch.device("meta"):
+            m = LlamaForCausalLM(cfg)
+        r = strategy_analyze(m, LM, device="cuda", precision="bf16-master", inference=False,
+                             zero=ZeRO(stage=3, dp=8))
+        sub, pt = r.for_point({"B": 2, "S": 512})
+        assert sub.train.trace.run.replays == replays
+        got[warmup, replays] = (sub.at(**pt)["train"]["peak"], replay(sub.train, pt).as_dict())
+    assert got[1, 1] == got[2, 0]
+    assert got[1, 0][0] == got[2, 0][0]  # the traced step's bytes do not depend on it
+    once, twice = got[1, 0][1], got[2, 0][1]
+    assert once["reserved"] == twice["reserved"] and once["allocated"] == twice["allocated"]
+    assert once["reserved_at_peak"] < twice["reserved_at_peak"]
+
+
 def test_zero3_on_gpu_with_hugging_face_kv_cache():
     """Hugging Face's default ``use_cache=True`` keeps a KV cache in training too, started as
     ``torch.tensor([], device=key_states.device)``; on the fake GPU device ``cpu:1`` torch

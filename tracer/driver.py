@@ -22,6 +22,9 @@ class Driver:
     """
 
     warmup = 2
+    # more steps the caching-allocator replay walks (the measured step again) after the traced
+    # warm-up steps and before the one it measures (:attr:`RunRecord.replays`)
+    replays = 0
     device = "cpu"  # the (fake) device the engine computes on; the inputs are made there
     host_device = None  # where the engine puts host memory (offload), if it has any
 

@@ -749,6 +749,7 @@ class Folder:
         out.specialized = list(run.specialized)
         out.checkpoint_regions = run.checkpoint_regions
         out.warmed = run.warmed
+        out.replays = run.replays
         return out
 
     def _widen_paths(self, paths, extra) -> tuple:
@@ -823,8 +824,8 @@ def difference(a: RunRecord, b: RunRecord) -> str | None:
     for x, y in zip(a.ops, b.ops):
         if x != y:
             return f"op {x.index}: {_diff(x, y)}"
-    for f in ("start", "phase_ends", "marks", "grad_ready", "other_ops", "warmed", "owners",
-              "resized"):
+    for f in ("start", "phase_ends", "marks", "grad_ready", "other_ops", "warmed", "replays",
+              "owners", "resized"):
         if getattr(a, f) != getattr(b, f):
             return f"{f}: {getattr(a, f)} against {getattr(b, f)}"
     return None

@@ -169,6 +169,11 @@ class RunRecord:
     # True when whole warm-up steps were traced before ``start`` (a library's loop, a
     # Driver): the run's history is then real, not the plain loop's synthetic warm-up
     warmed: bool = False
+    # with ``warmed``: how many more times the caching-allocator replay
+    # (analysis/reserved.py) walks the measured step before the one it measures, standing in
+    # for warm-up steps that were not traced (DeepSpeed's stage 3 on CUDA: one traced, one
+    # replayed)
+    replays: int = 0
     # storage id -> name of the parameter whose optimizer state or gradient it is (the plain
     # loop's warm-up; a storage made by an op that names no parameter)
     owners: dict = field(default_factory=dict)

@@ -513,8 +513,13 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
         stack.callback(gc.enable)
     recorder.run.start = len(recorder.run.events)
     recorder.run.warmed = driver.warmup > 0
-    return _driven_step(recorder, driver, call, inputs, constants, loss_fn,
-                        config.keep_outputs), call
+    recorder.run.replays = driver.replays if driver.warmup > 0 else 0
+    held = _driven_step(recorder, driver, call, inputs, constants, loss_fn,
+                        config.keep_outputs)
+    # DeepSpeed's stage 3 gathers its persistent (small) parameters again after the optimizer
+    # step, in fresh storages they keep
+    _parameters_made_in_the_step(recorder, model)
+    return held, call
 
 
 def optimizer_factory(config) -> OptimizerFactory:
