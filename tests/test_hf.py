@@ -61,6 +61,31 @@ def test_deepseek_v2_matches_real_run():
     check(report, deepseek_v2, LM, grid(B=(2, 3), S=(4, 9, 16)))
 
 
+def bart():
+    return T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64))
+
+
+def marian():
+    return T.MarianMTModel(T.MarianConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=0))
+
+
+@pytest.mark.parametrize("factory", [bart, marian], ids=["bart", "marian"])
+def test_encoder_decoder_own_ones_mask_matches_real_run(factory):
+    """BART's and Marian's decoders make their padding mask with ``torch.ones`` when none is
+    given, and sdpa's mask code drops the causal (B, 1, S, S) mask after checking that it is
+    all ones (``padding_mask.all()``). Under fake tensors the check read "tracing, keep it",
+    and each decoder layer's attention kept a 4·B·S² mask for backward that the real run never
+    makes (8·B·S² B over at B=3, S=20). ``tracer/known.py`` follows the ones."""
+    report = predict(factory, LM)
+    check(report, factory, LM, grid(B=(2, 3), S=(5, 20)))
+
+
 @pytest.mark.slow
 def test_gpt2_eager_attention_with_padding_mask():
     """A padded attention mask: HF materializes the (B, 1, S, S) mask in the real run too."""

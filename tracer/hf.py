@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 
+from . import known
 from .spec import make_spec, TensorSpec
 
 
@@ -88,8 +89,10 @@ def all_ones_mask():
     can be dropped (then SDPA runs with ``is_causal=True`` and no (B, 1, S, S) mask exists). A
     real run decides with ``fast_all(mask)``; on a FakeTensor ``is_tracing(mask)`` is True and
     the answer is always "keep the mask", which is right for padded batches only. Here, for fake
-    masks only, the same tensors are computed (the sums and comparisons of ``fast_all``, the
-    ``.all()``) and the answer an all-ones mask gives is returned. ``prepare_padding_mask`` is
+    masks known to hold only ones (:mod:`memsim.tracer.known`: an input given with
+    ``fill="ones"``, or a mask the model makes with ``torch.ones``, as BART's decoder does when
+    it is given none), the same tensors are computed (the sums and comparisons of ``fast_all``,
+    the ``.all()``) and the answer an all-ones mask gives is returned. ``prepare_padding_mask`` is
     wrapped to remember how many leading columns are ones when zero columns are appended, so
     that the answer stays right for longer key/value lengths. The eager implementation always
     builds the mask and is unaffected. Proven against real runs in ``tests/test_hf.py``.
@@ -111,8 +114,8 @@ def all_ones_mask():
     ones_cols = WeakTensorKeyDictionary()  # fake padding mask -> leading all-ones columns
 
     def ours(t) -> bool:
-        return (isinstance(t, FakeTensor) and not mu.is_tracing()
-                and not mu.is_torchdynamo_exporting())
+        return (isinstance(t, FakeTensor) and (t in ones_cols or known.all_ones(t))
+                and not mu.is_tracing() and not mu.is_torchdynamo_exporting())
 
     def ones(t):
         return ones_cols.get(t, t.shape[-1])
@@ -173,23 +176,10 @@ def all_ones_mask():
             setattr(mu, n, f)
 
 
-def _ones_masks(inputs: dict) -> bool:
-    for name, value in inputs.items():
-        if "mask" in name:
-            try:
-                if make_spec(name, value).fill == "ones":
-                    return True
-            except Exception:  # noqa: BLE001 - the tracer reports malformed inputs itself
-                continue
-    return False
-
-
 def adapt(model: torch.nn.Module, inputs: dict):
     """``(patches, limits)`` for ``model``: a context-manager factory (or None) and size limits."""
     if not is_hf(model):
         return None, {}
-    if not _ones_masks(inputs):
-        return eager_like, limits(model, inputs)
 
     @contextlib.contextmanager
     def patches():

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._sympy.functions import CeilToInt, IntTrueDiv
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from . import progress
+from . import known, progress
 from .records import Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage, TensorMeta
 from .rules import Kind, keys, lookup, register
 
@@ -421,6 +421,7 @@ class Recorder(TorchDispatchMode):
             out = rule.value(self, func, args, kwargs)
         else:
             out = func(*args, **kwargs)
+        known.observe(func, args, kwargs, out)
         if self.shape_env is not None and len(self.shape_env.replacements) != self._n_repl:
             self._note_specialization(name)
         if func.namespace not in self._checked and any(

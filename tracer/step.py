@@ -40,7 +40,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from . import kernels  # noqa: F401  (registers the built-in rules)
-from . import progress
+from . import known, progress
 from .errors import (
     DataDependentError,
     InputError,
@@ -245,6 +245,8 @@ def make_inputs(specs: list[TensorSpec], shape_env: ShapeEnv, hints: dict[str, i
         shape = [symints[d] if isinstance(d, str) else d for d in spec.shape]
         dt = float_dtype if float_dtype is not None and spec.dtype.is_floating_point else spec.dtype
         tensors[spec.name] = torch.empty(shape, dtype=dt, device=device)
+        if spec.fill == "ones":
+            known.mark(tensors[spec.name])
     return tensors, SymbolTable(raw, dict(hints))
 
 
@@ -318,6 +320,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(remembered())
+            stack.enter_context(known.tracking())
             inputs, symbols = _enter_run(stack, recorder, model, specs, config, hints, train,
                                          transform, driver if driven else None, patches)
             model.train(train)
