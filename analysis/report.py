@@ -491,7 +491,8 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
                     fixed=dict(fixed or {}), notes=tuple(_compiled_notes(config, first)) + tuple(
                         dict.fromkeys(s.trace.folded.describe() for s in (tr_step, inf_step)
                                       if s is not None and s.trace.folded is not None)) + tuple(
-                        reserve_notes(tr_step.trace.run.ops) if tr_step is not None else ()),
+                        reserve_notes(tr_step.trace.run.ops) if tr_step is not None else ())
+                    + tuple(hf.layerdrop_note(model) if tr_step is not None else ()),
                     retracer=retracer)
     return cross_guards(report) if explore else report
 

@@ -6,8 +6,8 @@ import torch.nn as nn
 
 from memsim.analysis import analyze
 from memsim.cli import main
-from memsim.tracer import (DataDependentError, InputError, OutOfRangeError, UnsupportedOpError,
-                    UsageError, parse_assignments, parse_input)
+from memsim.tracer import (DataDependentError, InputError, OutOfRangeError, TraceError,
+                           UnsupportedOpError, UsageError, parse_assignments, parse_input)
 
 
 class DataDependent(nn.Module):
@@ -181,3 +181,36 @@ def test_pinned_symbol_without_a_fit_names_the_module(capsys):
         analyze(zoo.GRULM(), {"x": ("int64", ["B", "S"])}, device="cpu", fit=False)
     msg = str(e.value)
     assert "ties symbol" in msg and "module 'rnn'" in msg and "--hint" in msg
+
+
+class LongKernel(nn.Module):
+    """A 1-D convolution over raw samples, 10 long: longer than the example size S = 7."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 4, kernel_size=10, stride=5)
+
+    def forward(self, x):  # (B, S)
+        return self.conv(x.unsqueeze(1)).relu().mean()
+
+
+def test_a_model_that_fails_at_the_example_sizes_is_traced_at_larger_ones():
+    """The model's own failure at the small example sizes (B=5, S=7) is traced again with S
+    larger; the formulas equal a real run down to the kernel's length."""
+    from oracle import check
+    inputs = {"x": ("float32", ["B", "S"])}
+    with torch.device("meta"):
+        report = analyze(LongKernel(), inputs, device="cpu")
+    assert report.train.trace.hints == {"B": 5, "S": 523}
+    assert report.ranges["S"][0] == 10
+    check(report, LongKernel, inputs, [{"B": 2, "S": 10}, {"B": 3, "S": 37}])
+
+
+def test_a_model_that_fails_at_every_size_names_the_sizes_and_the_hint():
+    """Sizes given for every symbol: not retried; the error names the sizes and the option."""
+    with torch.device("meta"):
+        m = LongKernel()
+    with pytest.raises(TraceError, match=r"at the example sizes B=3, S=8") as e:
+        analyze(m, {"x": ("float32", ["B", "S"])}, device="cpu", hints={"B": 3, "S": 8})
+    assert "--hint S=N" in str(e.value) and e.value.sizes == {"B": 3, "S": 8}
+    assert "tried the larger" not in str(e.value)

@@ -86,6 +86,64 @@ def test_encoder_decoder_own_ones_mask_matches_real_run(factory):
     check(report, factory, LM, grid(B=(2, 3), S=(5, 20)))
 
 
+def wav2vec2(**kw):
+    cfg = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+               conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+               num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, num_labels=3,
+               vocab_size=32)
+    return functools.partial(T.Wav2Vec2ForSequenceClassification,
+                             T.Wav2Vec2Config(**dict(cfg, **kw)))
+
+
+AUDIO = {"input_values": ("float32", ["B", "S"]), "labels": ("int64", ["B"])}
+
+
+def test_wav2vec2_traced_past_its_convolution_at_larger_sizes_matches_real_run():
+    """Raw audio: the feature extractor's first kernel (10 samples) is longer than the example
+    size S = 7, and the model itself fails there. memsim traces again with S larger (and B as
+    given) and the formulas hold from the sizes the model's guards allow. LayerDrop
+    (``layerdrop=0.1``, wav2vec2's default) draws per layer at random: the trace runs every
+    layer, the most memory a step takes, and says so; the real runs compared are those where
+    no layer is skipped."""
+    report = predict(wav2vec2(mask_time_prob=0.0), AUDIO)
+    assert report.ranges["S"][0] <= 400 and any("LayerDrop (p=0.1)" in n for n in report.notes)
+    check(report, wav2vec2(mask_time_prob=0.0, layerdrop=0.0), AUDIO,
+          [{"B": 2, "S": 400}, {"B": 3, "S": 1000}])
+
+
+def test_spec_augment_is_a_typed_error():
+    """SpecAugment (wav2vec2's default ``mask_time_prob=0.05``) draws its masks with numpy from
+    concrete lengths: past the convolution's size failure, the error names it and the setting
+    that turns it off, where numpy raised an IndexError."""
+    from memsim.tracer import DataDependentError
+    with pytest.raises(DataDependentError, match="SpecAugment") as e:
+        predict(wav2vec2(), AUDIO)
+    assert "mask_time_prob=0" in str(e.value) and "Kernel size" in str(e.value)
+
+
+def qwen3_next():
+    """Gated DeltaNet layers (a causal conv, the chunked delta rule solved with
+    linalg.solve_triangular, S padded to 64-token chunks) and a full-attention layer, MoE."""
+    return T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+        num_key_value_heads=2, head_dim=8, vocab_size=100, max_position_embeddings=64,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16))
+
+
+@pytest.mark.slow
+def test_qwen3_next_matches_real_run():
+    """linalg.solve_triangular's meta kernel fails on symbolic sizes (a rule makes its
+    output); where S is a multiple of the chunk, F.pad pads nothing and ATen returns a clone
+    with the input's (transposed) strides, which later matmuls copy: S = 64 is its own code
+    path (each Gated DeltaNet layer read 32,768 B per sequence under a real run there when
+    F.pad was always a new contiguous tensor)."""
+    report = predict(qwen3_next, LM)
+    check(report, qwen3_next, LM, [{"B": 2, "S": 9}, {"B": 3, "S": 64}, {"B": 2, "S": 33}])
+
+
 @pytest.mark.slow
 def test_gpt2_eager_attention_with_padding_mask():
     """A padded attention mask: HF materializes the (B, 1, S, S) mask in the real run too."""

@@ -61,6 +61,20 @@ class _Padded(nn.Module):
         return self.lin(F.pad(x, (0, 0, 1, 1)))
 
 
+class _Solve(nn.Module):
+    """A unit lower-triangular system per position, solved for the projected input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):  # (B, S, 8)
+        h = self.lin(x)
+        a = (h.unsqueeze(-1) * h.unsqueeze(-2)).tril(-1)
+        return torch.linalg.solve_triangular(a, h.unsqueeze(-1), upper=False,
+                                             unitriangular=True).sum()
+
+
 class _Alibi(nn.Module):
     """Scores plus a bias broadcast from (B, 1, S), as BLOOM adds its ALiBi (baddbmm)."""
 
@@ -120,6 +134,27 @@ def test_efficient_backward_rule_makes_the_meta_kernels_tensors():
                 (theirs.shape, theirs.stride(), theirs.untyped_storage().nbytes())
 
 
+def test_pad_and_triangular_solve_rules_make_the_kernels_tensors():
+    """On real CPU tensors, the rules' outputs have the shapes, strides and storage sizes of
+    ATen's own kernels: F.pad without a positive pad clones the (narrowed) input with its
+    strides; solve_triangular's result is column-major in its last two dimensions."""
+    from memsim.tracer.kernels import _constant_pad, _solve_triangular
+    pad_op = torch.ops.aten.constant_pad_nd.default
+    x = torch.randn(2, 5, 3, 4).transpose(1, 2)            # not contiguous
+    for pad in ([0, 0, 0, 0], [0, 0, -1, 0], [-1, -1, 0, -2], [0, 0, 0, 3], [1, 0, -1, 2]):
+        mine, theirs = _constant_pad(None, pad_op, (x, pad), {}), pad_op(x, pad)
+        assert (mine.shape, mine.stride(), mine.untyped_storage().nbytes()) == \
+            (theirs.shape, theirs.stride(), theirs.untyped_storage().nbytes()), pad
+    tri = torch.ops.aten.linalg_solve_triangular.default
+    a = torch.randn(2, 3, 4, 4).tril() + 4 * torch.eye(4)
+    for b, kw in ((torch.randn(2, 3, 4, 5), dict(upper=False)),
+                  (torch.randn(3, 4, 5), dict(upper=False, unitriangular=True)),
+                  (torch.randn(2, 3, 5, 4), dict(upper=False, left=False))):
+        mine, theirs = _solve_triangular(None, tri, (a, b), kw), tri(a, b, **kw)
+        assert (mine.shape, mine.stride(), mine.untyped_storage().nbytes()) == \
+            (theirs.shape, theirs.stride(), theirs.untyped_storage().nbytes()), kw
+
+
 def _reached(run) -> set:
     before = hits()
     run()
@@ -155,6 +190,10 @@ def _traces():
     with meta():
         polar = _Polar()
     analyze(polar, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
+    # linalg.solve_triangular (Qwen3-Next's gated delta rule)
+    with meta():
+        solve = _Solve()
+    analyze(solve, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
     # nn.LSTM on CPU (oneDNN), issued from Python: its workspace and bias gradients
     analyze(lstm, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
     # nn.GRU on CPU, its C++ loop issued from Python (S fixed: the loop pins it)

@@ -45,7 +45,11 @@ class TraceError(MemsimError, RuntimeError):
         The ATen op that failed, when one did.
     source : str or None
         ``file:line`` of the innermost frame of model code.
+    sizes : dict or None
+        The example sizes at which the model's own code failed (None: memsim stopped it).
     """
+
+    sizes: dict | None = None
 
     def __init__(self, message: str, *, module=None, op=None, source=None, hint=None):
         self.module, self.op, self.source = module, op, source

@@ -176,14 +176,97 @@ def all_ones_mask():
             setattr(mu, n, f)
 
 
+_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def _layerdrops(model: torch.nn.Module) -> list[tuple[object, str, float]]:
+    """``(owner, attribute, p)`` for each LayerDrop probability above 0 the model reads: its
+    modules' own (BART copies ``config.encoder_layerdrop`` to ``self.layerdrop``) and their
+    configs' (wav2vec2 reads ``self.config.layerdrop``)."""
+    out, seen = [], set()
+    for m in model.modules():
+        for owner in (m, getattr(m, "config", None)):
+            if owner is None or id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            for name in _LAYERDROP:
+                v = vars(owner).get(name) if hasattr(owner, "__dict__") else None
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                    out.append((owner, name, v))
+    return out
+
+
+def layerdrop_note(model: torch.nn.Module) -> list[str]:
+    """The note for a model whose training skips layers at random (LayerDrop)."""
+    ps = sorted({p for _, _, p in _layerdrops(model)})
+    if not ps:
+        return []
+    return [f"LayerDrop ({', '.join(f'p={p:g}' for p in ps)}): the traced training step runs "
+            "every layer, the most memory a step takes; a real step skips each layer with that "
+            "probability"]
+
+
+@contextlib.contextmanager
+def every_layer_runs(model: torch.nn.Module):
+    """LayerDrop draws ``torch.rand([]) < p`` per layer in training, a value a symbolic run
+    does not have. For the run, every probability is 0: every layer runs, the step that takes
+    the most memory (:func:`layerdrop_note` says so in the report)."""
+    found = _layerdrops(model)
+    for owner, name, _ in found:
+        setattr(owner, name, 0.0)
+    try:
+        yield
+    finally:
+        for owner, name, p in found:
+            setattr(owner, name, p)
+
+
+@contextlib.contextmanager
+def spec_augment_refused():
+    """SpecAugment (wav2vec2, HuBERT, WavLM... with ``apply_spec_augment`` and
+    ``mask_time_prob`` or ``mask_feature_prob`` above 0) draws its masks with numpy from
+    concrete lengths, and the step then keeps indices of the masked positions, as many as the
+    draw gave: its memory is not a function of the sizes. A typed error says so, where numpy
+    would fail on symbolic sizes with an IndexError."""
+    import sys
+
+    from .errors import DataDependentError
+
+    found = [(m, m._compute_mask_indices) for name, m in list(sys.modules.items())
+             if name.startswith("transformers.models.") and m is not None
+             and callable(getattr(m, "_compute_mask_indices", None))]
+
+    def refuse(orig):
+        def _compute_mask_indices(shape, *args, **kwargs):
+            if all(isinstance(d, int) for d in shape):
+                return orig(shape, *args, **kwargs)
+            raise DataDependentError(
+                "SpecAugment masks random time steps and features in training (numpy, from "
+                "concrete lengths), and the step keeps the indices of the masked positions: "
+                "as many as the draw gives, so its memory is not a function of the sizes",
+                hint="for the estimate, set the config's mask_time_prob=0 and "
+                     "mask_feature_prob=0 (or apply_spec_augment=False)")
+        return _compute_mask_indices
+
+    for m, orig in found:
+        m._compute_mask_indices = refuse(orig)
+    try:
+        yield
+    finally:
+        for m, orig in found:
+            m._compute_mask_indices = orig
+
+
 def adapt(model: torch.nn.Module, inputs: dict):
-    """``(patches, limits)`` for ``model``: a context-manager factory (or None) and size limits."""
+    """``(patches, limits)`` for ``model``: a factory of the context manager entered for a run
+    (given the run's model: a strategy traces a copy), or None, and size limits."""
     if not is_hf(model):
         return None, {}
 
     @contextlib.contextmanager
-    def patches():
-        with eager_like(), all_ones_mask():
+    def patches(run_model: torch.nn.Module):
+        with eager_like(), all_ones_mask(), every_layer_runs(run_model), \
+                spec_augment_refused():
             yield
 
     return patches, limits(model, inputs)

@@ -42,12 +42,32 @@ def _local_scalar(recorder, func, args, kwargs):
 
 
 @rule(Kind.ATEN, aten.constant_pad_nd.default,
-               doc="F.pad: its C++ kernel reads concrete sizes and would pin symbols; same "
-                   "single output allocation, computed symbolically")
+               doc="F.pad: its C++ kernel reads concrete sizes and would pin symbols; the same "
+                   "output, computed symbolically: where no pad is positive, a clone of the "
+                   "input (narrowed by negative pads) with its strides, as ATen returns it; "
+                   "else one new tensor of the padded shape. Each symbolic pad is guarded "
+                   "(Qwen3-Next pads S to 64-token chunks: S % 64 == 0 takes the clone, and a "
+                   "transposed input stays transposed)")
 def _constant_pad(recorder, func, args, kwargs):
-    """``constant_pad_nd(x, pad, value)``: one output storage of the padded shape."""
+    """``constant_pad_nd(x, pad, value)``, with ATen's ``all_pads_non_positive`` branch: a
+    ``clone`` (strides preserved) of the input narrowed by the negative pads, or one output
+    storage of the padded shape."""
     x, pad = args[0], list(args[1])
     value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    n = x.dim()
+    c, positive = x, False
+    for i in range(n - len(pad) // 2, n):
+        at = 2 * (n - i - 1)
+        if pad[at] < 0:
+            c = c.narrow(i, -pad[at], c.shape[i] + pad[at])
+        elif pad[at] != 0:
+            positive = True
+        if pad[at + 1] < 0:
+            c = c.narrow(i, 0, c.shape[i] + pad[at + 1])
+        elif pad[at + 1] != 0:
+            positive = True
+    if not positive:
+        return c.clone()
     shape = list(x.shape)
     src = [slice(None)] * x.dim()
     dst = [slice(None)] * x.dim()
@@ -243,6 +263,37 @@ def _polar(recorder, func, args, kwargs):
     complex_of = {torch.float32: torch.complex64, torch.float64: torch.complex128,
                   torch.float16: torch.complex32}
     return torch.empty(size, dtype=complex_of[a.dtype], device=a.device)
+
+
+@rule(Kind.ATEN, aten.linalg_solve_triangular.default,
+      doc="torch.linalg.solve_triangular (Qwen3-Next's gated delta rule): its meta kernel "
+          "broadcasts the batch with a non-symbolic expand and fails on symbolic sizes; the "
+          "CPU and CUDA kernels allocate one column-major output of B's broadcast shape")
+def _solve_triangular(recorder, func, args, kwargs):
+    """``linalg_solve_triangular(A, B, *, upper, left=True, unitriangular=False)``: ATen makes
+    ``out`` from ``A``'s options, resized to ``B``'s broadcast shape, column-major in the last
+    two dimensions (the LAPACK/cuBLAS layout); row-major only when ``A`` is a conjugated
+    transposed contiguous matrix (the kernel then solves in place of a copy)."""
+    a, b = args[0], args[1]
+    left = kwargs.get("left", args[3] if len(args) > 3 else True)
+    torch._check(a.dim() >= 2 and b.dim() >= 2, lambda: (
+        "linalg.solve_triangular: The input tensor A must have at least 2 dimensions."))
+    torch._check(a.shape[-1] == a.shape[-2], lambda: (
+        "linalg.solve_triangular: A must be batches of square matrices, but they are "
+        f"{a.shape[-2]} by {a.shape[-1]} matrices"))
+    torch._check(a.dtype == b.dtype, lambda: (
+        f"linalg.solve_triangular: Expected A and B to have the same dtype, but found A of "
+        f"type {a.dtype} and B of type {b.dtype} instead"))
+    k = b.shape[-2] if left else b.shape[-1]
+    torch._check(a.shape[-1] == k, lambda: (
+        "linalg.solve_triangular: Incompatible shapes of A and B for the equation "
+        f"{'AX = B' if left else 'XA = B'} ({a.shape[-2]}x{a.shape[-1]} and "
+        f"{b.shape[-2]}x{b.shape[-1]})"))
+    batch = tuple(torch.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
+    m, n = b.shape[-2], b.shape[-1]
+    if a.is_conj() and a.transpose(-2, -1).is_contiguous():
+        return torch.empty(batch + (m, n), dtype=a.dtype, device=a.device)
+    return torch.empty(batch + (n, m), dtype=a.dtype, device=a.device).transpose(-2, -1)
 
 
 # -- grouped GEMM (MoE experts) --------------------------------------------------------------

@@ -250,8 +250,10 @@ def make_inputs(specs: list[TensorSpec], shape_env: ShapeEnv, hints: dict[str, i
     return tensors, SymbolTable(raw, dict(hints))
 
 
-def translate(err: BaseException, recorder: Recorder | None) -> MemsimError:
-    """Turn an exception raised inside the symbolic run into a typed memsim error."""
+def translate(err: BaseException, recorder: Recorder | None,
+              hints: dict[str, int] | None = None) -> MemsimError:
+    """Turn an exception raised inside the symbolic run into a typed memsim error
+    (``hints``: the example sizes it ran at, named in a model's own failure)."""
     module = recorder.module if recorder is not None else None
     op = recorder.current_op if recorder is not None else None
     source = model_source(err.__traceback__)
@@ -281,10 +283,19 @@ def translate(err: BaseException, recorder: Recorder | None) -> MemsimError:
             op=op, source=source,
             hint="register one with torch.library.register_fake (its output shapes are "
                  "enough), or exclude this module")
-    return TraceError(f"the model failed when run symbolically: {type(err).__name__}: "
+    at = sizes = ""
+    if hints:
+        sizes = ", ".join(f"{k}={v}" for k, v in hints.items())
+        k = list(hints)[-1]
+        at = f" at the example sizes {sizes}"
+    failed = TraceError(f"the model failed when run symbolically{at}: {type(err).__name__}: "
                       f"{text[0] if text else ''}", module=module, op=op, source=source,
-                      hint="check that the model runs eagerly with these input shapes; if it "
-                           "does, report the op and module above")
+                      hint="check that the model runs eagerly with these input shapes"
+                           + (f" at {sizes}; if it needs other sizes, give them (--hint "
+                              f"{k}=N, Python hints={{'{k}': N}})" if hints else "")
+                           + "; if it runs, report the op and module above")
+    failed.sizes = dict(hints or {})  # a model's own failure there (trace() tries larger ones)
+    return failed
 
 
 def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
@@ -297,7 +308,8 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     ``hints``: the example size of every symbol. ``transform(model)``: applied to a copy of the
     model inside the run, before the optimizer is built (strategies). ``driver``: a
     :class:`~memsim.tracer.driver.Driver` that owns the training loop (DeepSpeed's engine).
-    ``patches``: a context-manager factory entered for the run (Hugging Face's scoped patches).
+    ``patches(model)``: a context-manager factory entered for the run, given the run's model
+    (Hugging Face's scoped patches).
     With ``config.accumulate >= 2``, micro-steps after the second repeat the second exactly
     (the gradients exist, the previous output is released when the next forward returns), so
     two are run.
@@ -338,7 +350,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     except BaseException as e:  # noqa: BLE001 - re-raised as a typed error
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise translate(e, recorder) from e
+        raise translate(e, recorder, hints) from e
     finally:
         model.train(was_training)
     return record, shape_env, symbols
@@ -389,7 +401,7 @@ def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, co
     stack.enter_context(_modes_in_recompute(recorder))
     stack.enter_context(function_rules(config.device))
     if patches is not None:
-        stack.enter_context(patches())
+        stack.enter_context(patches(model))
     if transform is not None:
         transform(model)
     return make_inputs(specs, recorder.shape_env, hints,

@@ -23,7 +23,8 @@ import torch
 from .config import StepConfig
 from .driver import Driver
 from . import fold, progress
-from .errors import DataDependentError, InputError, MemsimError, SpecializationError
+from .errors import (DataDependentError, InputError, MemsimError, SpecializationError,
+                     TraceError, UnsupportedOpError)
 from .records import Category, LeafRecord, Phase, RunRecord, Storage
 from .spec import TensorSpec, is_tensor_spec, make_spec, symbol
 from .step import run_step
@@ -31,6 +32,8 @@ from .step import run_step
 # Example sizes for the symbolic run: distinct, >= 2 (0 and 1 specialize), and primes so that
 # they rarely equal a constant size of the model (which would tie the symbol to it).
 _DEFAULT_HINTS = (5, 7, 11, 13, 17, 19, 23, 29)
+# when a model fails at those, one more try (see _larger_sizes)
+_RETRY_HINTS = (521, 523, 541, 547, 557, 563, 569, 571)
 
 
 @dataclass
@@ -138,7 +141,8 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
     driver : Driver, optional
         Owns the training loop (e.g. DeepSpeed's engine) in place of the plain one.
     patches : callable, optional
-        A context-manager factory entered for the run (Hugging Face's scoped patches).
+        A context-manager factory entered for the run, given the run's model (Hugging Face's
+        scoped patches).
     **options
         Fields of :class:`StepConfig` (``device="cpu"``...), applied over ``config``.
     """
@@ -158,11 +162,53 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
     stack = fold.find_stack(model, touched) if (
         config.fold and not config.compiled and touched is not None
         and not (driver is not None and train)) else None
-    if stack is not None:
-        return _folded(model, stack, specs, constants, config, hint_map, train=train,
+
+    def run(hints: dict[str, int]) -> Trace:
+        if stack is not None:
+            return _folded(model, stack, specs, constants, config, hints, train=train,
+                           transform=transform, driver=driver, patches=patches)
+        return _traced(model, specs, constants, config, hints, train=train,
                        transform=transform, driver=driver, patches=patches)
-    return _traced(model, specs, constants, config, hint_map, train=train,
-                   transform=transform, driver=driver, patches=patches)
+
+    try:
+        return run(hint_map)
+    except TraceError as e:
+        if not getattr(e, "sizes", None):  # not the model's own failure at the sizes
+            raise
+        tried = []
+        for larger in _larger_sizes(hint_map, config.hints):
+            sizes = ", ".join(f"{k}={v}" for k, v in larger.items())
+            try:
+                return run(larger)
+            except (DataDependentError, UnsupportedOpError) as later:
+                # past the small sizes, the model stops on something else: that is the answer
+                MemsimError.__init__(later, later.message, hint=(later.hint or "") + (
+                    f" (at the example sizes {sizes}; at the first ones the model failed "
+                    f"earlier: {e.message})"))
+                raise later from later.__cause__
+            except MemsimError:
+                tried.append(sizes)
+        if not tried:
+            raise
+        MemsimError.__init__(e, e.message, hint=(e.hint or "") + (
+            f" (memsim tried the larger example sizes {'; '.join(tried)} too, and they "
+            "failed)"))
+        raise e from e.__cause__
+
+
+def _larger_sizes(hints: dict[str, int], given: dict | None) -> list[dict[str, int]]:
+    """Larger example sizes to trace with when the model failed at the small ones (a 1-D
+    convolution over raw audio needs hundreds of samples: wav2vec2's feature extractor 400):
+    each symbol the user did not size made larger alone, the last first (a sequence, after the
+    batch), then all of them; none when the user sized every symbol."""
+    given = given or {}
+    free = [n for n in hints if n not in given]
+    pool = [h for h in _RETRY_HINTS if h not in hints.values()]
+    larger = {n: pool[i] for i, n in enumerate(free)}
+    out = [dict(hints, **{n: larger[n]}) for n in reversed(free)]
+    if len(free) > 1:
+        out.append(dict(hints, **larger))
+    return out
 
 
 @dataclass(frozen=True)
