@@ -92,6 +92,20 @@ MODELS = {
         decoder_start_token_id=0)), {"input_ids": ("int64", ["B", "S"]),
                                      "labels": ("int64", ["B", "S"])},
         [{"B": 2, "S": 9}, {"B": 3, "S": 20}]),
+    "bart": ("BART (transformers)", lambda: T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64)), LM,
+        [{"B": 2, "S": 9}, {"B": 3, "S": 20}]),
+    "wav2vec2": ("wav2vec2, no SpecAugment (transformers)",
+                 lambda: T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(
+                     hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                     conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                     num_conv_pos_embedding_groups=4, num_labels=3, vocab_size=32,
+                     mask_time_prob=0.0, layerdrop=0.0)),
+                 {"input_values": ("float32", ["B", "S"]), "labels": ("int64", ["B"])},
+                 [{"B": 2, "S": 400}, {"B": 3, "S": 1000}]),
     "llama": ("Llama (transformers)", lambda: T.LlamaForCausalLM(T.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)), LM,
@@ -109,6 +123,16 @@ MODELS = {
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
         num_experts_per_tok=2, max_position_embeddings=256)), LM,
         [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "qwen3next": ("Qwen3-Next, DeltaNet + MoE (transformers)",
+                  lambda: T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
+                      hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      layer_types=["linear_attention", "full_attention"],
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      vocab_size=100, max_position_embeddings=64, linear_num_value_heads=4,
+                      linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16)), LM,
+                  [{"B": 2, "S": 9}, {"B": 3, "S": 64}]),
     "mamba": ("Mamba (transformers, slow scan)", lambda: T.MambaForCausalLM(T.MambaConfig(
         vocab_size=100, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
         conv_kernel=4, time_step_rank=4)), LM, [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),

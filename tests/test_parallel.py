@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import oracles.dist as O
+import zoo
 from memsim.strategies import DDP, FSDP, LoRA, TensorParallel
 from memsim.strategies.api import analyze
 from memsim.strategies.parallel import tp_plan
@@ -116,6 +117,29 @@ def test_fsdp2_leaves_a_unit_with_tied_weights_to_the_root_matches_real_gloo_run
     assert got == want
     with pytest.raises(StrategyError, match="tied to 'cls.predictions.decoder.weight'"):
         _predict(factory, LM, fsdp=FSDP(2, units=("bert.embeddings",)))
+
+
+def _conditioned_inputs(batch: int = 4) -> dict:
+    torch.manual_seed(0)
+    return {"x": torch.randn(batch, 16), "t": torch.randn(batch, 8)}
+
+
+def test_fsdp2_module_called_outside_its_unit_is_a_strategy_error_and_its_own_unit_runs():
+    """DiT's top level calls the first block's embedding outside the block's forward: under
+    FSDP2 with the blocks as units its parameters are still sharded there, and the real run
+    fails ('got mixed torch.Tensor and DTensor'); memsim says which module and unit, and the
+    fix it names (the embedding a unit of its own) equals a real gloo run sharded so."""
+    from memsim.tracer import StrategyError
+    inputs = {"x": ("float32", ["B", 16]), "t": ("float32", ["B", 8])}
+    with pytest.raises(StrategyError, match=r"calls 'blocks.0.emb' outside the forward of its "
+                                            r"FSDP unit 'blocks.0'") as e:
+        _predict(zoo.Conditioned, inputs, fsdp=FSDP(2))
+    assert "make 'blocks.0.emb' a unit of its own" in str(e.value)
+    units = ("blocks.0.emb", "blocks.0", "blocks.1", "blocks.2")
+    report = _predict(zoo.Conditioned, inputs, fsdp=FSDP(2, units=units))
+    got, want = _compare(report, zoo.Conditioned, _conditioned_inputs, O.FSDP2(blocks=units),
+                         {"B": 4})
+    assert got == want
 
 
 def _rep_styles():

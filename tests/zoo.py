@@ -342,3 +342,31 @@ class CompiledFlexAttention(nn.Module):
         y = compiled_flex_attention()(q, k, v, score_mod=causal,
                                       enable_gqa=self.kv_heads != self.heads)
         return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class CondBlock(nn.Module):
+    """A block with its own conditioning embedding (DiT's AdaLayerNormZero holds one and
+    embeds the timestep itself)."""
+
+    def __init__(self, d: int = 16, c: int = 8):
+        super().__init__()
+        self.emb = nn.Linear(c, d)
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x, t, cond):
+        return self.lin(x).relu() * self.emb(t) + cond
+
+
+class Conditioned(nn.Module):
+    """DiT's shape: the top level calls the first block's embedding for the conditioning every
+    block adds (diffusers' ``self.transformer_blocks[0].norm1.emb(timestep, ...)``)."""
+
+    def __init__(self, blocks: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(CondBlock() for _ in range(blocks))
+
+    def forward(self, x, t):  # x (B, 16), t (B, 8)
+        cond = self.blocks[0].emb(t)
+        for b in self.blocks:
+            x = b(x, t, cond)
+        return x.pow(2).mean()

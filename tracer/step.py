@@ -342,7 +342,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
             try:
                 held = step(stack, recorder, model, inputs, constants, config, driver)
             except RuntimeError as e:   # named while the parameters are the run's
-                raise _mixed_dtensors(e, model) or e
+                raise _mixed_dtensors(e, model) or _outside_unit(e, model, recorder) or e
             record = recorder.finish()
             record.specialized = list(recorder.specialized)
             del held
@@ -381,6 +381,32 @@ def _mixed_dtensors(err: BaseException, model) -> MemsimError | None:
         hint="give an optimizer built with foreach=False (Python: optimizer=lambda p: "
              "torch.optim.AdamW(p, foreach=False); the command: register_optimizer(...) in "
              "your module), or make every parameter a DTensor (FSDP with TP: --fsdp)")
+
+
+def _outside_unit(err: BaseException, model, recorder: Recorder) -> MemsimError | None:
+    """A module of an FSDP2 unit that the model calls outside the unit's forward (DiT's
+    top level calls ``transformer_blocks[0].norm1.emb`` for its conditioning): the unit's
+    parameters are still sharded there, and a real run fails the same way. None for any other
+    error."""
+    if "got mixed torch.Tensor and DTensor" not in str(err) or not recorder.module_stack:
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    units = [n for n, m in model.named_modules() if n and isinstance(m, FSDPModule)]
+    inner = recorder.module_stack[-1]
+    owner = max((u for u in units if inner == u or inner.startswith(u + ".")),
+                key=len, default=None)
+    if owner is None or owner in recorder.module_stack:
+        return None  # the unit's forward runs: not this case
+    called = next((m for m in recorder.module_stack if m.startswith(owner + ".")), inner)
+    return StrategyError(
+        f"the model calls {called!r} outside the forward of its FSDP unit {owner!r}, where "
+        f"the unit's parameters are still sharded (DTensors): {inner!r} fails on them, and a "
+        "real FSDP2 run fails the same way (torch: 'got mixed torch.Tensor and DTensor')",
+        hint=f"make {called!r} a unit of its own (FSDP(units=[..., {called!r}, {owner!r}, "
+             f"...]): its own hooks then gather it), or leave {owner!r} out of the units")
 
 
 def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, config, hints,
