@@ -492,7 +492,9 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
                         dict.fromkeys(s.trace.folded.describe() for s in (tr_step, inf_step)
                                       if s is not None and s.trace.folded is not None)) + tuple(
                         reserve_notes(tr_step.trace.run.ops) if tr_step is not None else ())
-                    + tuple(hf.layerdrop_note(model) if tr_step is not None else ()),
+                    + tuple(hf.layerdrop_note(model) if tr_step is not None else ())
+                    + tuple(dict.fromkeys(a for s in (tr_step, inf_step) if s is not None
+                                          for a in s.trace.run.assumed)),
                     retracer=retracer)
     return cross_guards(report) if explore else report
 

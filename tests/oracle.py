@@ -15,16 +15,17 @@ def predict(factory, inputs, **kw):
     return analyze(model, inputs, device="cpu", **kw)
 
 
-def check(report, factory, inputs, points, *, module_name=None, **kw):
+def check(report, factory, inputs, points, *, module_name=None, real_inputs=None, **kw):
     """Assert prediction == measurement at every point, for every figure the oracle has.
 
     ``module_name`` maps a module path of the real model to memsim's (the real model may be
     wrapped differently: peft's ``base_model.model.h.0.attn.c_attn.lora_A.default`` is memsim's
-    ``h.0.attn.c_attn.lora_A``); a path it maps to ``None`` is left out."""
+    ``h.0.attn.c_attn.lora_A``); a path it maps to ``None`` is left out. ``real_inputs(point)``
+    makes the real run's inputs where their values matter (else random ones of the specs)."""
     for pt in points:
         torch.manual_seed(0)
         real = materialize(factory())
-        x = example_inputs(inputs, pt)
+        x = real_inputs(pt) if real_inputs is not None else example_inputs(inputs, pt)
         got = figures(report, **pt)
         if report.train is not None:
             m = measure_train(real, x, **kw)

@@ -212,3 +212,20 @@ def test_guards_in_a_row_are_all_crossed():
     report = predict(zoo.TwoGuards, inputs)
     assert report.ranges["B"] == (2, None) and report.checked["B"][:3] == (5, 17, 67)
     check(report, zoo.TwoGuards, inputs, [{"B": 3}, {"B": 20}, {"B": 70}])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-master"])
+def test_parameters_the_forward_never_uses_get_no_gradient_or_state(precision):
+    """A trainable parameter that no step reaches never has a gradient in a real loop
+    (``zero_grad`` leaves it None), and the optimizer never makes its state. The plain loop's
+    warm-up had given every parameter both (and the oracle's too, which hid it): AdamW's two
+    moments and step of the spare head and the blocks' spare linears. With master weights the
+    masters and fp32 gradient buffers exist for every parameter from construction on."""
+    inputs = {"x": ("float32", ["B", 16])}
+    kw = {} if precision == "32-true" else {"precision": precision}
+    report = predict(zoo.WithSpare, inputs, **kw)
+    check(report, zoo.WithSpare, inputs, [{"B": 3}, {"B": 10}], **kw)
+    used = 3 * (16 * 16 + 16) + 16 * 2 + 2              # the used linears and the head
+    states = report.at(B=3)["train"]["optimizer_states"]
+    assert states == 2 * 4 * used + 4 * 8 + (0 if precision == "32-true" else 4 * (
+        used + 3 * (16 * 16 + 16) + 16 * 4 + 4))        # + every master

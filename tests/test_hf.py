@@ -144,6 +144,55 @@ def test_qwen3_next_matches_real_run():
     check(report, qwen3_next, LM, [{"B": 2, "S": 9}, {"B": 3, "S": 64}, {"B": 2, "S": 33}])
 
 
+_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               image_size=32, patch_size=8)                  # 16 patches: 16 image tokens
+
+
+def llava():
+    return T.LlavaForConditionalGeneration(T.LlavaConfig(
+        text_config=dict(_TEXT, model_type="llama"),
+        vision_config=dict(_VISION, model_type="clip_vision_model"), image_token_index=99,
+        vision_feature_layer=-1))
+
+
+def paligemma():
+    return T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
+        text_config=dict(_TEXT, model_type="gemma", head_dim=8),
+        vision_config=dict(_VISION, model_type="siglip_vision_model"), image_token_index=99,
+        projection_dim=32))
+
+
+VLM = {"input_ids": ("int64", ["B", "S"]), "pixel_values": ("float32", ["B", 3, 32, 32]),
+       "labels": ("int64", ["B", "S"])}
+
+
+def _image_then_text(pt: dict) -> dict:
+    """A real batch: each sequence starts with its image's 16 tokens (id 99), then text."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 98, (pt["B"], pt["S"]), generator=g)
+    ids[:, :16] = 99
+    return {"input_ids": ids, "pixel_values": torch.randn(pt["B"], 3, 32, 32, generator=g),
+            "labels": torch.randint(0, 98, (pt["B"], pt["S"]), generator=g)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory", [llava, paligemma], ids=["llava", "paligemma"])
+def test_vision_language_model_matches_real_run(factory):
+    """A vision-language model checks that its input ids hold as many image tokens as its
+    images have features (a value: DataDependentError), then masked_scatter puts the features
+    there (its meta kernel failed on symbolic sizes) and its backward masked_selects them
+    (a data-dependent size). The check is taken to hold, as in every run that goes past it
+    (a note says so), and the source's size is the selection's. LLaVA's ``list(image
+    features)`` pins B: fitted, and checked here at B = 6."""
+    report = predict(factory, VLM, inference=False)
+    assert any("a check of the inputs' values holds" in n for n in report.notes), report.notes
+    check(report, factory, VLM, [{"B": 2, "S": 20}, {"B": 3, "S": 40}, {"B": 6, "S": 33}],
+          real_inputs=_image_then_text)
+
+
 @pytest.mark.slow
 def test_gpt2_eager_attention_with_padding_mask():
     """A padded attention mask: HF materializes the (B, 1, S, S) mask in the real run too."""

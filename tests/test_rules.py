@@ -61,6 +61,19 @@ class _Padded(nn.Module):
         return self.lin(F.pad(x, (0, 0, 1, 1)))
 
 
+class _Scatter(nn.Module):
+    """Features scattered at the first two positions of every sequence (image tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):  # (B, S, 8)
+        mask = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+        mask[:, :2] = True
+        return x.masked_scatter(mask.unsqueeze(-1), self.lin(x[:, :2])).sum()
+
+
 class _Solve(nn.Module):
     """A unit lower-triangular system per position, solved for the projected input."""
 
@@ -137,7 +150,8 @@ def test_efficient_backward_rule_makes_the_meta_kernels_tensors():
 def test_pad_and_triangular_solve_rules_make_the_kernels_tensors():
     """On real CPU tensors, the rules' outputs have the shapes, strides and storage sizes of
     ATen's own kernels: F.pad without a positive pad clones the (narrowed) input with its
-    strides; solve_triangular's result is column-major in its last two dimensions."""
+    strides; masked_scatter's is a contiguous clone of a transposed input; solve_triangular's
+    result is column-major in its last two dimensions."""
     from memsim.tracer.kernels import _constant_pad, _solve_triangular
     pad_op = torch.ops.aten.constant_pad_nd.default
     x = torch.randn(2, 5, 3, 4).transpose(1, 2)            # not contiguous
@@ -145,6 +159,14 @@ def test_pad_and_triangular_solve_rules_make_the_kernels_tensors():
         mine, theirs = _constant_pad(None, pad_op, (x, pad), {}), pad_op(x, pad)
         assert (mine.shape, mine.stride(), mine.untyped_storage().nbytes()) == \
             (theirs.shape, theirs.stride(), theirs.untyped_storage().nbytes()), pad
+    from memsim.tracer.kernels import _masked_scatter
+    scatter = torch.ops.aten.masked_scatter.default
+    x, mask = torch.randn(3, 5, 4).transpose(0, 1), torch.zeros(5, 3, 1, dtype=torch.bool)
+    mask[:2] = True
+    mine, theirs = (_masked_scatter(None, scatter, (x, mask, torch.randn(24)), {}),
+                    scatter(x, mask, torch.randn(24)))
+    assert (mine.shape, mine.stride(), mine.untyped_storage().nbytes()) == \
+        (theirs.shape, theirs.stride(), theirs.untyped_storage().nbytes())
     tri = torch.ops.aten.linalg_solve_triangular.default
     a = torch.randn(2, 3, 4, 4).tril() + 4 * torch.eye(4)
     for b, kw in ((torch.randn(2, 3, 4, 5), dict(upper=False)),
@@ -190,6 +212,10 @@ def _traces():
     with meta():
         polar = _Polar()
     analyze(polar, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
+    # masked_scatter and its backward's masked_select (a vision-language model's image tokens)
+    with meta():
+        scatter = _Scatter()
+    analyze(scatter, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
     # linalg.solve_triangular (Qwen3-Next's gated delta rule)
     with meta():
         solve = _Solve()

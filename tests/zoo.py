@@ -370,3 +370,31 @@ class Conditioned(nn.Module):
         for b in self.blocks:
             x = b(x, t, cond)
         return x.pow(2).mean()
+
+
+class SpareBlock(nn.Module):
+    """A linear the block uses, and one it does not."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.used = nn.Linear(d, d)
+        self.spare = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.used(x).relu()
+
+
+class WithSpare(nn.Module):
+    """Blocks, and trainable parameters the forward never uses (a spare head, and a spare
+    linear inside each block; wav2vec2's ``masked_spec_embed`` without SpecAugment)."""
+
+    def __init__(self, d: int = 16, blocks: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(SpareBlock(d) for _ in range(blocks))
+        self.head = nn.Linear(d, 2)
+        self.spare_head = nn.Linear(d, 4)
+
+    def forward(self, x):  # (B, d)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).pow(2).mean()

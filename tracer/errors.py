@@ -53,6 +53,7 @@ class TraceError(MemsimError, RuntimeError):
 
     def __init__(self, message: str, *, module=None, op=None, source=None, hint=None):
         self.module, self.op, self.source = module, op, source
+        self._text = message
         where = []
         if module is not None:
             where.append(f"module '{module or '<root>'}'")
@@ -62,6 +63,12 @@ class TraceError(MemsimError, RuntimeError):
             where.append(f"at {source}")
         full = message if not where else f"{message} ({', '.join(where)})"
         super().__init__(full, hint=hint)
+
+    def locate(self, source: str | None) -> None:
+        """Name the model's source line, found after the error was made (the message too)."""
+        if source is not None and self.source is None:
+            TraceError.__init__(self, self._text, module=self.module, op=self.op,
+                                source=source, hint=self.hint)
 
 
 class UnsupportedOpError(TraceError):

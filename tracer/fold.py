@@ -750,6 +750,7 @@ class Folder:
         out.checkpoint_regions = run.checkpoint_regions
         out.warmed = run.warmed
         out.replays = run.replays
+        out.assumed = list(run.assumed)
         return out
 
     def _widen_paths(self, paths, extra) -> tuple:
@@ -825,7 +826,7 @@ def difference(a: RunRecord, b: RunRecord) -> str | None:
         if x != y:
             return f"op {x.index}: {_diff(x, y)}"
     for f in ("start", "phase_ends", "marks", "grad_ready", "other_ops", "warmed", "replays",
-              "owners", "resized"):
+              "assumed", "owners", "resized"):
         if getattr(a, f) != getattr(b, f):
             return f"{f}: {getattr(a, f)} against {getattr(b, f)}"
     return None

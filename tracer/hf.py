@@ -257,6 +257,49 @@ def spec_augment_refused():
             m._compute_mask_indices = orig
 
 
+@contextlib.contextmanager
+def checks_hold():
+    """Hugging Face's ``torch_compilable_check(cond, msg)`` reads a tensor condition's value in
+    eager, and a real run stops where it is false (a vision-language model checks that its
+    input ids hold as many image tokens as its images have features). On fake tensors the value
+    is not known: the check's own op (``cond.all()``) is computed and taken to hold, as in
+    every run that goes on past it, and the run records it (the report's notes name the line).
+    Conditions that are not fake tensors are checked as Hugging Face checks them."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from .sources import model_source_stack
+
+    iu = sys.modules.get("transformers.utils.import_utils")
+    orig = getattr(iu, "torch_compilable_check", None)
+    if orig is None:
+        yield
+        return
+
+    def torch_compilable_check(cond, msg=None, error_type=ValueError):
+        if callable(cond) and not isinstance(cond, torch.Tensor):
+            cond = cond()
+        if not isinstance(cond, FakeTensor):
+            return orig(cond, msg, error_type)
+        cond.all()
+        where = model_source_stack()
+        known.assume("assumed: a check of the inputs' values holds, as in any run that goes "
+                     f"past it ({where.split(' (', 1)[0] if where else 'Hugging Face'}: "
+                     "the values are data, not sizes)")
+
+    found = [m for name, m in list(sys.modules.items())
+             if name.startswith("transformers") and m is not None
+             and getattr(m, "torch_compilable_check", None) is orig]
+    for m in found:
+        m.torch_compilable_check = torch_compilable_check
+    try:
+        yield
+    finally:
+        for m in found:
+            m.torch_compilable_check = orig
+
+
 def adapt(model: torch.nn.Module, inputs: dict):
     """``(patches, limits)`` for ``model``: a factory of the context manager entered for a run
     (given the run's model: a strategy traces a copy), or None, and size limits."""
@@ -266,7 +309,7 @@ def adapt(model: torch.nn.Module, inputs: dict):
     @contextlib.contextmanager
     def patches(run_model: torch.nn.Module):
         with eager_like(), all_ones_mask(), every_layer_runs(run_model), \
-                spec_augment_refused():
+                spec_augment_refused(), checks_hold():
             yield
 
     return patches, limits(model, inputs)

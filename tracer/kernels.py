@@ -296,6 +296,22 @@ def _solve_triangular(recorder, func, args, kwargs):
     return torch.empty(batch + (n, m), dtype=a.dtype, device=a.device).transpose(-2, -1)
 
 
+@rule(Kind.ATEN, aten.masked_scatter.default,
+      doc="masked_scatter (a vision-language model puts its image features at its image "
+          "tokens): the meta kernel expands with a non-symbolic call; ATen clones the input, "
+          "broadcast with the mask, contiguous, and scatters into it")
+def _masked_scatter(recorder, func, args, kwargs):
+    """``masked_scatter(self, mask, source)``: one contiguous output of the broadcast shape."""
+    x, mask, source = args[:3]
+    torch._check(mask.dtype == torch.bool, lambda: (
+        f"masked_scatter_ only supports boolean masks, but got mask with dtype {mask.dtype}"))
+    torch._check(x.dtype == source.dtype, lambda: (
+        "masked_scatter: expected self and source to have same dtypes but got "
+        f"{x.dtype} and {source.dtype}"))
+    shape = tuple(torch.broadcast_shapes(tuple(x.shape), tuple(mask.shape)))
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+
 # -- grouped GEMM (MoE experts) --------------------------------------------------------------
 def _grouped_strides(name, m):
     """The kernels' own stride check: one of the last two dimensions contiguous, the other's

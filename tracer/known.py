@@ -14,6 +14,9 @@ This module remembers which storages hold only ones:
 
 The recorder (:class:`~memsim.tracer.recorder.Recorder`) calls :func:`observe` for each op it
 records, while :func:`tracking` is entered (the run). Nothing is assumed of values otherwise.
+
+The run also keeps the checks of values it took to hold (:func:`assume`: a vision-language
+model's check of its image tokens), which the report lists.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def _kind(func) -> int:
 class _Known:
     def __init__(self) -> None:
         self.ones: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.assumed: list[str] = []  # checks of values taken to hold, in words
 
     def mark(self, t: torch.Tensor) -> None:
         self.ones[t.untyped_storage()] = True
@@ -103,6 +107,12 @@ def tracking():
         yield _active
     finally:
         _active = prev
+
+
+def assume(text: str) -> None:
+    """Record a check of tensor values that the run takes to hold (for the report's notes)."""
+    if _active is not None and text not in _active.assumed:
+        _active.assumed.append(text)
 
 
 def mark(t: torch.Tensor) -> None:

@@ -131,6 +131,7 @@ class Recorder(TorchDispatchMode):
         self.run = RunRecord()
         self.phase = Phase.SETUP
         self.module_stack: list[str] = []
+        self.accumulated: set[int] = set()  # ids of the parameters whose gradient accumulated
         self.current_op: str | None = None
         self._live: dict[int, int] = {}           # id(python storage) -> sid
         self._default_stream = torch.cpu.current_stream()
@@ -329,6 +330,7 @@ class Recorder(TorchDispatchMode):
     def grad_ready(self, param: torch.Tensor) -> None:
         """Called by a post-accumulate-grad hook: ``param.grad`` is accumulated now."""
         if self.phase is Phase.BACKWARD and param.grad is not None:
+            self.accumulated.add(id(param))
             self.run.grad_ready.append((len(self.run.events), self.sid_of(param.grad)))
 
     def mark_saved(self, t: torch.Tensor) -> None:

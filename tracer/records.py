@@ -174,6 +174,8 @@ class RunRecord:
     # for warm-up steps that were not traced (DeepSpeed's stage 3 on CUDA: one traced, one
     # replayed)
     replays: int = 0
+    # checks of tensor values the run took to hold, in words (tracer/known.py: assume)
+    assumed: list = field(default_factory=list)
     # storage id -> name of the parameter whose optimizer state or gradient it is (the plain
     # loop's warm-up; a storage made by an op that names no parameter)
     owners: dict = field(default_factory=dict)

@@ -1,7 +1,7 @@
 """Where in the user's code something happened: the innermost frame of model code.
 
-Model code is any file that is not torch's, memsim's, the standard library's, sympy's or
-networkx's. Errors name that ``file:line``; specializations are traced back to it.
+Model code is any file that is not torch's, memsim's, the standard library's, sympy's,
+networkx's or one of Hugging Face's helpers (``transformers/utils``). Errors name that ``file:line``; specializations are traced back to it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def is_model_file(f: str) -> bool:
     stdlib = f.startswith(_STDLIB) and "site-packages" not in f and "dist-packages" not in f
     return not (f.startswith(_TORCH_DIR) or f.startswith(_own_dirs()) or stdlib
                 or "<frozen" in f or "/site-packages/sympy" in f
-                or "/site-packages/networkx" in f)
+                or "/site-packages/networkx" in f
+                # Hugging Face's helpers (its checks, wrappers and output capture): the line
+                # to name is the model's own that called them
+                or "/site-packages/transformers/utils/" in f.replace(os.sep, "/"))
 
 
 def model_source(tb) -> str | None:

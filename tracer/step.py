@@ -258,8 +258,7 @@ def translate(err: BaseException, recorder: Recorder | None,
     op = recorder.current_op if recorder is not None else None
     source = model_source(err.__traceback__)
     if isinstance(err, TraceError):
-        if err.source is None:
-            err.source = source
+        err.locate(source)
         return err
     if isinstance(err, MemsimError):
         return err
@@ -332,7 +331,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(remembered())
-            stack.enter_context(known.tracking())
+            tracker = stack.enter_context(known.tracking())
             inputs, symbols = _enter_run(stack, recorder, model, specs, config, hints, train,
                                          transform, driver if driven else None, patches)
             model.train(train)
@@ -345,6 +344,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
                 raise _mixed_dtensors(e, model) or _outside_unit(e, model, recorder) or e
             record = recorder.finish()
             record.specialized = list(recorder.specialized)
+            record.assumed = list(tracker.assumed)
             del held
         check_read(model, record, swallowed)
     except BaseException as e:  # noqa: BLE001 - re-raised as a typed error
@@ -472,8 +472,8 @@ def _plain(stack, recorder: Recorder, model, inputs: dict, constants: dict, conf
     loss_fn = config.loss_fn or default_loss
     _record(stack, recorder, model, inputs, config)
     call = _forward(model, recorder, config)
-    _warm_up(recorder, opt, trainable, config.device, scaler,
-             names={id(p): n for n, p in model.named_parameters()})
+    owned = _warm_up(recorder, opt, trainable, config.device, scaler,
+                     names={id(p): n for n, p in model.named_parameters()})
     recorder.run.start = len(recorder.run.events)
     for p in trainable:
         stack.callback(p.register_post_accumulate_grad_hook(recorder.grad_ready).remove)
@@ -502,7 +502,23 @@ def _plain(stack, recorder: Recorder, model, inputs: dict, constants: dict, conf
     else:
         opt.step()
     _parameters_made_in_the_step(recorder, model)
+    _never_stepped(recorder, trainable, owned)
     return out, loss, opt, scaler, call  # all held to the end of the step
+
+
+def _never_stepped(recorder: Recorder, trainable: list, owned: dict) -> None:
+    """A trainable parameter that gets no gradient in the step (a module the forward never
+    calls: wav2vec2's ``masked_spec_embed`` without SpecAugment) never has one in a real loop:
+    ``zero_grad`` leaves it None, and the optimizer never makes its state. The synthetic
+    warm-up (:func:`_warm_up`) gave it a gradient and state; they are zero bytes."""
+    unused = {id(p) for p in trainable if p.grad is None and id(p) not in recorder.accumulated}
+    if not unused:
+        return
+    kept = {sid for p in trainable if id(p) not in unused for sid in owned.get(id(p), ())}
+    for i in unused:
+        for sid in owned.get(i, ()):
+            if sid is not None and sid not in kept:
+                recorder.run.storages[sid].nbytes = sympy.Integer(0)
 
 
 def _parameters_made_in_the_step(recorder: Recorder, model) -> None:
@@ -736,8 +752,9 @@ def _no_cuda_autocast():
 
 
 def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
-             device: str, scaler=None, names: dict | None = None) -> None:
-    """Create the optimizer state as a previous step would have, and that step's gradients.
+             device: str, scaler=None, names: dict | None = None) -> dict[int, list[int]]:
+    """Create the optimizer state as a previous step would have, and that step's gradients;
+    returns the storage ids of each parameter's (``id(parameter) ->``) gradient and state.
 
     On CUDA, torch.optim keeps scalar ``step`` counters on the host unless the optimizer is
     ``capturable`` or ``fused``: those are marked as host memory. Master-weight optimizers
@@ -764,18 +781,27 @@ def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
     for p in trainable:
         p.grad = torch.zeros_like(p)
     opt.step()
+    owned: dict[int, list[int]] = {}  # id(parameter) -> its warm-up gradient and state
     for p in trainable:
         recorder.set_category(p.grad, Category.GRADIENT)
         recorder.own(p.grad, (names or {}).get(id(p)))
+        owned[id(p)] = [recorder.sid_of(p.grad)]
     inner = opt.inner if isinstance(opt, MasterWeights) else opt
+    # master weights: the inner optimizer's parameters stand for the model's (masters and
+    # fp32 gradient buffers exist for every parameter from construction on)
+    of = ({id(ip): p for (p, _m, _g), ip in zip(opt._pairs, opt._inner_params)}
+          if isinstance(opt, MasterWeights) else {})
     on_device_steps = any(g.get("capturable") or g.get("fused") for g in inner.param_groups)
     paged = getattr(inner, "_memsim_host_state", None) if device == "cuda" else None
     for p, state in inner.state.items():
+        mine = owned.setdefault(id(of.get(id(p), p)), [])
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 recorder.set_category(v, Category.OPTIMIZER_STATE)
                 recorder.own(v, (names or {}).get(id(p)))
+                mine.append(recorder.sid_of(v))
                 if (paged is not None and paged(p, k)) or (
                         device == "cuda" and k == "step" and v.dim() == 0
                         and not on_device_steps):
                     recorder.set_host(v)
+    return owned

@@ -219,6 +219,24 @@ def _cast_inputs(inputs: dict, dtype) -> dict:
             for k, v in inputs.items()}
 
 
+def _reached(model: torch.nn.Module, inputs: dict, loss_fn, autocast) -> set[int]:
+    """The ids of the parameters a training step's backward reaches (their AccumulateGrad
+    nodes in the loss's graph), from one forward that is then dropped."""
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        loss = loss_fn(model(**inputs))
+    found, seen, todo = set(), set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        v = getattr(fn, "variable", None)
+        if v is not None:
+            found.add(id(v))
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
+
+
 def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimizer=None,
                   keep_outputs: bool = True, precision: str = "32-true",
                   accumulate: int = 1) -> Measurement:
@@ -243,8 +261,12 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if use_scaler else None
     if scaler is not None:
         scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    # the previous step's gradients and optimizer state, for the parameters a step reaches: one
+    # that the forward never uses has no gradient in a real loop, and no state
+    reached = _reached(model, inputs, loss_fn, autocast)
     for p in params:
-        p.grad = torch.zeros_like(p)
+        if id(p) in reached:
+            p.grad = torch.zeros_like(p)
     opt.step()
     c = _Counter()
     inner = opt.inner if master else opt
@@ -280,7 +302,8 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
         for t in list(model.parameters()) + list(model.buffers()):
             c.add(t)
         for p in params:
-            c.add(p.grad)
+            if p.grad is not None:
+                c.add(p.grad)
         for v in states + (list(opt.main_grads) if master else []):
             c.add(v)
         if scaler is not None:
@@ -289,7 +312,8 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
         for v in inputs.values():
             if isinstance(v, torch.Tensor):
                 c.add(v)
-        state = {c.token_of(t) for t in list(model.parameters()) + [p.grad for p in params]
+        state = {c.token_of(t) for t in list(model.parameters())
+                 + [p.grad for p in params if p.grad is not None]
                  + states + (list(opt.main_grads) if master else [])
                  + ([scaler._scale, scaler._growth_tracker] if scaler is not None else [])}
         fixed = state | {c.token_of(t) for t in list(model.buffers()) + [
