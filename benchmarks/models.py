@@ -1,7 +1,7 @@
 """Popular model families, built from their configs: what memsim does with each, against a real
 run.
 
-    python benchmarks/models.py              # about 6 minutes on 2 cores
+    python benchmarks/models.py              # about 7 minutes on 2 cores
     python benchmarks/models.py mamba gru    # some of them
 
 Each family is built from a small config of its own class (transformers, diffusers; no

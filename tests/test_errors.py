@@ -56,6 +56,7 @@ def test_data_dependent_branch_names_module_and_line():
     assert e.value.module == ""
     assert e.value.source and "test_errors.py" in e.value.source
     assert e.value.hint
+    assert "test_errors.py:" in str(e.value)  # the message names the line too
 
 
 def test_data_dependent_size_names_submodule():
