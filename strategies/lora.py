@@ -112,6 +112,17 @@ class LoRALayer(torch.nn.Module):
         self.lora_dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         self.scaling = scaling
 
+    # the base layer's weight and bias, as peft's tuner layers expose them: code that reads
+    # them directly (nn.MultiheadAttention passes out_proj.weight to its functional form, as
+    # SigLIP's pooling head does) runs on the base, and the adapter gets no gradient
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
     def forward(self, x):
         out = self.base_layer(x)
         dt = self.lora_A.weight.dtype

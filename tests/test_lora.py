@@ -209,3 +209,33 @@ def test_qlora_matches_real_bitsandbytes_peft_run(model, compute):
     if model == "llama":  # the 4-bit base: one byte per two weights, plus the quantization state
         plain = predict(base, LM, inference=False).at(B=2, S=8)["train"]
         assert got["parameters"] < plain["parameters"] / 2
+
+
+class _PoolingHead(torch.nn.Module):
+    """SigLIP's pooling head: a probe attends over the sequence with nn.MultiheadAttention,
+    which passes ``out_proj.weight`` to its functional form instead of calling ``out_proj``."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = torch.nn.Linear(16, 16)
+        self.probe = torch.nn.Parameter(torch.randn(1, 1, 16))
+
+    def forward(self, x):  # (B, S, 16)
+        h = self.attention(self.probe.expand(x.shape[0], -1, -1), x, x)[0]
+        return self.fc(h).pow(2).mean()
+
+
+def test_lora_on_a_layer_read_by_its_weight_matches_real_peft_run():
+    """An adapter on nn.MultiheadAttention's ``out_proj``: the attention reads the layer's
+    ``weight`` and never calls it. peft's tuner layer gives the base's weight, and the adapter
+    gets no gradient and no optimizer state; memsim's layer failed ("'LoRALayer' object has no
+    attribute 'weight'": PaliGemma and Gemma 3 under LoRA)."""
+    lora = LoRA(r=4, targets=("out_proj", "fc"))
+    x = {"x": ("float32", ["B", "S", 16])}
+    from memsim.strategies.api import analyze
+    with torch.device("meta"):
+        model = _PoolingHead()
+    report = analyze(model, x, device="cpu", inference=False, lora=lora)
+    check(report, _peft(_PoolingHead, lora, ["out_proj", "fc"]), x,
+          [{"B": 2, "S": 5}, {"B": 3, "S": 11}], module_name=peft_name)
