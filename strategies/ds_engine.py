@@ -187,7 +187,7 @@ class DeepSpeedDriver(Driver):
     # (``replays``), which gives every figure of two traced warm-ups
     # (benchmarks/ds_warmups.py: 2 of Llama-2-7B's layers, bf16, 8 ranks; at B = 2, S = 512
     # reserved 6,012,534,784 B after each; at the peak 5,039,456,256 after one, 6,012,534,784
-    # after two to four and after one with the replay; the same at B = 4, S = 2048).
+    # after two to four and after one with the replay; at B = 4, S = 2048 every count agrees).
     warmup = 1
     replays = 0
     host_device = torch.device("cpu")
