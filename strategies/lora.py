@@ -112,17 +112,6 @@ class LoRALayer(torch.nn.Module):
         self.lora_dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         self.scaling = scaling
 
-    # the base layer's weight and bias, as peft's tuner layers expose them: code that reads
-    # them directly (nn.MultiheadAttention passes out_proj.weight to its functional form, as
-    # SigLIP's pooling head does) runs on the base, and the adapter gets no gradient
-    @property
-    def weight(self):
-        return self.base_layer.weight
-
-    @property
-    def bias(self):
-        return self.base_layer.bias
-
     def forward(self, x):
         out = self.base_layer(x)
         dt = self.lora_A.weight.dtype
@@ -132,6 +121,22 @@ class LoRALayer(torch.nn.Module):
         # base) and the sum back to the base output's dtype
         res = out + self.lora_B(self.lora_A(self.lora_dropout(x.to(dt)))) * self.scaling
         return res.to(out.dtype)
+
+
+class LoRAReadLayer(LoRALayer):
+    """An adapter on a layer its parent reads by its weight and bias instead of calling it
+    (``nn.MultiheadAttention`` passes ``out_proj.weight`` to its functional form: SigLIP's
+    pooling head): they are the base's, as peft's tuner layers give them, so the parent runs
+    on the base and the adapter gets no gradient. Only there: DeepSpeed's AutoTP replaces any
+    module with a 2-D ``weight`` whole, adapters and all."""
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
 
 
 class LoRA4bitLayer(LoRALayer):
@@ -212,7 +217,8 @@ def apply_lora(model: torch.nn.Module, lora: LoRA) -> torch.nn.Module:
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = mods[parent_name] if parent_name else m
-        setattr(parent, child, LoRALayer(mods[name], lora.r, lora.scaling, lora.dropout))
+        layer = LoRAReadLayer if isinstance(parent, torch.nn.MultiheadAttention) else LoRALayer
+        setattr(parent, child, layer(mods[name], lora.r, lora.scaling, lora.dropout))
     return m
 
 
