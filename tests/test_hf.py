@@ -188,7 +188,8 @@ def test_vision_language_model_matches_real_run(factory):
     (a note says so), and the source's size is the selection's. LLaVA's ``list(image
     features)`` pins B: fitted, and checked here at B = 6."""
     report = predict(factory, VLM, inference=False)
-    assert any("a check of the inputs' values holds" in n for n in report.notes), report.notes
+    assert any("the model's check of its inputs' values at" in n for n in report.notes), \
+        report.notes
     check(report, factory, VLM, [{"B": 2, "S": 20}, {"B": 3, "S": 40}, {"B": 6, "S": 33}],
           real_inputs=_image_then_text)
 

@@ -284,9 +284,9 @@ def checks_hold():
             return orig(cond, msg, error_type)
         cond.all()
         where = model_source_stack()
-        known.assume("assumed: a check of the inputs' values holds, as in any run that goes "
-                     f"past it ({where.split(' (', 1)[0] if where else 'Hugging Face'}: "
-                     "the values are data, not sizes)")
+        at = f" at {where.split(' (', 1)[0]}" if where else ""
+        known.assume(f"assumed: the model's check of its inputs' values{at} holds, as in any "
+                     "run that goes past it (a symbolic run has sizes, not values)")
 
     found = [m for name, m in list(sys.modules.items())
              if name.startswith("transformers") and m is not None
