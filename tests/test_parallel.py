@@ -157,6 +157,34 @@ def test_fsdp2_parameters_the_forward_never_uses_get_no_state_matches_real_gloo_
     assert got == want
 
 
+def _image_then_text() -> dict:
+    """PaliGemma's real batch: each sequence starts with its image's 16 tokens (id 99)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 98, (2, 20), generator=g)
+    ids[:, :16] = 99
+    return {"input_ids": ids, "pixel_values": torch.randn(2, 3, 32, 32, generator=g),
+            "labels": torch.randint(0, 98, (2, 20), generator=g)}
+
+
+def test_fsdp2_vision_language_model_matches_real_gloo_run():
+    """PaliGemma (SigLIP, a projector, Gemma) under FSDP2 over 2 ranks: its check of the image
+    tokens taken to hold and its masked_scatter (tests/test_hf.py), against a real gloo run."""
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                max_position_embeddings=64, model_type="gemma", head_dim=8)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8,
+                  model_type="siglip_vision_model")
+    factory = functools.partial(O.hf_model, "PaliGemmaConfig",
+                                "PaliGemmaForConditionalGeneration", text_config=text,
+                                vision_config=vision, image_token_index=99, projection_dim=32)
+    inputs = {"input_ids": ("int64", ["B", "S"]), "pixel_values": ("float32", ["B", 3, 32, 32]),
+              "labels": ("int64", ["B", "S"])}
+    report = _predict(factory, inputs, fsdp=FSDP(2))
+    got, want = _compare(report, factory, _image_then_text, O.FSDP2(), {"B": 2, "S": 20})
+    assert got == want
+
+
 def _rep_styles():
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
