@@ -71,8 +71,18 @@ class Fit:
     check: int
     reason: str
     reports: dict = field(default_factory=dict, repr=False, compare=False)
+    # modelling CUDA: the allocator's 512-byte blocks are not a polynomial in the size, so the
+    # fitted formula is approximate and every figure asked for comes from a trace at its size
+    traced_only: bool = False
 
     def describe(self) -> str:
+        if self.traced_only:
+            return (f"{self.symbol} is pinned by the model's code ({self.reason}): every "
+                    f"figure is traced at the {self.symbol} asked for (CUDA's 512-byte blocks "
+                    f"are no polynomial in {self.symbol}); the formulas shown in "
+                    f"{self.symbol} are an approximation, fitted through traces at "
+                    f"{self.symbol}={', '.join(map(str, self.sizes))} and checked at "
+                    f"{self.symbol}={self.check}")
         return (f"{self.symbol} is pinned by the model's code ({self.reason}): the formulas in "
                 f"{self.symbol} are fitted (degree {len(self.sizes) - 1}) through traces at "
                 f"{self.symbol}={', '.join(map(str, self.sizes))} and checked at "
@@ -184,7 +194,10 @@ class FittedReport(Report):
 
     def _fitted(self, rest: Mapping[str, int], x: int) -> dict | None:
         """Every figure at size ``x`` of the fitted symbol from the fit, the other sizes at
-        ``rest``; None where the fit misses its check there or gives a fraction of a byte."""
+        ``rest``; None where the fit misses its check there or gives a fraction of a byte, and
+        at every size not traced when the fit is for display only (:attr:`Fit.traced_only`)."""
+        if self.fit.traced_only and x not in self.fit.reports and x != self.fit.check:
+            return None
         values = {s: _figures(self.traced(s), rest) for s in (*self.fit.sizes, self.fit.check)}
         out: dict = {}
         for step, figs in values[self.fit.sizes[0]].items():
@@ -228,6 +241,20 @@ class FittedReport(Report):
         total = sum((e * w for e, w in zip(exprs, _lagrange(self.fit.sizes, sym))),
                     sympy.Integer(0))
         return sympy.expand(total) if all(e.is_polynomial() for e in exprs) else total
+
+
+def _round_point(report: "FittedReport", at: dict, fitted_name: str) -> dict[str, int]:
+    """``at`` with each symbol but the fitted one moved up to a multiple of 64 within its
+    range, where there is one (512-byte blocks: see :func:`fitted`)."""
+    out = dict(at)
+    for k, v in at.items():
+        if k == fitted_name:
+            continue
+        lo, hi = report.ranges.get(k, (1, None))
+        r = -(-max(v, lo) // 64) * 64
+        if hi is None or r <= hi:
+            out[k] = r
+    return out
 
 
 def example(report: Report) -> dict[str, int]:
@@ -278,8 +305,17 @@ def fitted(analyze, model, inputs, config, error: SpecializationError, hint: int
     where = ", ".join(p for p in (f"module '{error.module or '<root>'}'" if error.module
                                   is not None else None, error.source) if p)
     misses = []
+    # modelling CUDA, every size is the allocator's 512-byte blocks, and a block count is a
+    # polynomial in the size only where the sizes are round: the fit's sizes are multiples of
+    # 8, and it is checked where the other symbols are multiples of 64. Even so a size between
+    # them can miss by a few blocks with its check still holding (LLaVA at B = 12, S = 64:
+    # 1,792 B), so the fit is for display only and every size asked for is traced
+    # (Fit.traced_only)
+    cuda = str(getattr(config.device, "value", config.device)) == "cuda"
+    if cuda:
+        hint = 8
     for sizes, check in fit_windows(hint, set(taken), config.limits.get(name)):
-        fit = Fit(name, sizes, check, where or error.message)
+        fit = Fit(name, sizes, check, where or error.message, traced_only=cuda)
         for s in (*sizes, check):
             fit.reports[s] = retracer({name: s}, already)  # cached across windows
         if explore and not isinstance(fit.reports[sizes[0]], FittedReport):
@@ -291,6 +327,8 @@ def fitted(analyze, model, inputs, config, error: SpecializationError, hint: int
                               notes=(fit.describe(), *base.notes), regimes=base.regimes,
                               checked=base.checked, retracer=retracer, fit=fit)
         at = example(base)
+        if cuda:
+            at = _round_point(report, at, name)
         if not report.holds(**at):
             misses.append(f"{name}={', '.join(map(str, sizes))}: misses {name}={check}")
             continue

@@ -229,3 +229,24 @@ def test_parameters_the_forward_never_uses_get_no_gradient_or_state(precision):
     states = report.at(B=3)["train"]["optimizer_states"]
     assert states == 2 * 4 * used + 4 * 8 + (0 if precision == "32-true" else 4 * (
         used + 3 * (16 * 16 + 16) + 16 * 4 + 4))        # + every master
+
+
+def test_a_batch_pinned_on_cuda_is_fitted_for_display_and_traced_at_each_size():
+    """Modelling CUDA, every storage is the allocator's 512-byte blocks, which no polynomial in
+    B follows: a model that pins B (a loop over the batch, LLaVA's ``list(image_features)``)
+    had no fit hold, and the analysis stopped. The fit is now made through round sizes, for
+    the formulas shown, and every figure asked for is traced at its B: equal to the trace at
+    that size, where the fit's polynomial missed by up to a few blocks. On the CPU the fit
+    answers, checked against real runs."""
+    inputs = {"x": ("float32", ["B", "S", 12])}
+    with torch.device("meta"):
+        model = zoo.PerSample()
+    report = analyze(model, inputs, device="cuda", inference=False)
+    assert report.fit.traced_only and report.fit.sizes == (8, 16, 24)
+    assert "traced at the B asked for" in report.notes[0]
+    for b, s in ((12, 64), (13, 7), (9, 100)):
+        sub, at = report.traced(b).for_point({"S": s})
+        assert report.at(B=b, S=s)["train"] == sub.at(**at)["train"]
+    cpu = predict(zoo.PerSample, inputs, inference=False)
+    assert not cpu.fit.traced_only
+    check(cpu, zoo.PerSample, inputs, [{"B": 3, "S": 9}, {"B": 13, "S": 20}])

@@ -398,3 +398,14 @@ class WithSpare(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(x).pow(2).mean()
+
+
+class PerSample(nn.Module):
+    """A loop over the batch (``for s in x``), as LLaVA's ``list(image_features)``: pins B."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 12)
+
+    def forward(self, x):  # (B, S, 12)
+        return torch.stack([self.lin(s).relu() for s in x]).pow(2).sum()
