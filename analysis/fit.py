@@ -196,7 +196,7 @@ class FittedReport(Report):
         """Every figure at size ``x`` of the fitted symbol from the fit, the other sizes at
         ``rest``; None where the fit misses its check there or gives a fraction of a byte, and
         at every size not traced when the fit is for display only (:attr:`Fit.traced_only`)."""
-        if self.fit.traced_only and x not in self.fit.reports and x != self.fit.check:
+        if self.fit.traced_only and x not in self.fit.reports:
             return None
         values = {s: _figures(self.traced(s), rest) for s in (*self.fit.sizes, self.fit.check)}
         out: dict = {}
@@ -311,7 +311,7 @@ def fitted(analyze, model, inputs, config, error: SpecializationError, hint: int
     # them can miss by a few blocks with its check still holding (LLaVA at B = 12, S = 64:
     # 1,792 B), so the fit is for display only and every size asked for is traced
     # (Fit.traced_only)
-    cuda = str(getattr(config.device, "value", config.device)) == "cuda"
+    cuda = config.device == "cuda"
     if cuda:
         hint = 8
     for sizes, check in fit_windows(hint, set(taken), config.limits.get(name)):

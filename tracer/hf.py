@@ -222,19 +222,30 @@ def every_layer_runs(model: torch.nn.Module):
 
 
 @contextlib.contextmanager
+def _in_every_module(attr: str, replace):
+    """For the run, ``attr`` of every loaded ``transformers`` module that has a callable one
+    (each modeling file binds its own copy of a helper) becomes ``replace(original)``."""
+    import sys
+
+    found = [(m, getattr(m, attr)) for name, m in list(sys.modules.items())
+             if name.startswith("transformers") and m is not None
+             and callable(getattr(m, attr, None))]
+    for m, orig in found:
+        setattr(m, attr, replace(orig))
+    try:
+        yield
+    finally:
+        for m, orig in found:
+            setattr(m, attr, orig)
+
+
 def spec_augment_refused():
     """SpecAugment (wav2vec2, HuBERT, WavLM... with ``apply_spec_augment`` and
     ``mask_time_prob`` or ``mask_feature_prob`` above 0) draws its masks with numpy from
     concrete lengths, and the step then keeps indices of the masked positions, as many as the
     draw gave: its memory is not a function of the sizes. A typed error says so, where numpy
     would fail on symbolic sizes with an IndexError."""
-    import sys
-
     from .errors import DataDependentError
-
-    found = [(m, m._compute_mask_indices) for name, m in list(sys.modules.items())
-             if name.startswith("transformers.models.") and m is not None
-             and callable(getattr(m, "_compute_mask_indices", None))]
 
     def refuse(orig):
         def _compute_mask_indices(shape, *args, **kwargs):
@@ -248,16 +259,9 @@ def spec_augment_refused():
                      "mask_feature_prob=0 (or apply_spec_augment=False)")
         return _compute_mask_indices
 
-    for m, orig in found:
-        m._compute_mask_indices = refuse(orig)
-    try:
-        yield
-    finally:
-        for m, orig in found:
-            m._compute_mask_indices = orig
+    return _in_every_module("_compute_mask_indices", refuse)
 
 
-@contextlib.contextmanager
 def checks_hold():
     """Hugging Face's ``torch_compilable_check(cond, msg)`` reads a tensor condition's value in
     eager, and a real run stops where it is false (a vision-language model checks that its
@@ -265,39 +269,24 @@ def checks_hold():
     is not known: the check's own op (``cond.all()``) is computed and taken to hold, as in
     every run that goes on past it, and the run records it (the report's notes name the line).
     Conditions that are not fake tensors are checked as Hugging Face checks them."""
-    import sys
-
     from torch._subclasses.fake_tensor import FakeTensor
 
     from .sources import model_source_stack
 
-    iu = sys.modules.get("transformers.utils.import_utils")
-    orig = getattr(iu, "torch_compilable_check", None)
-    if orig is None:
-        yield
-        return
+    def holds(orig):
+        def torch_compilable_check(cond, msg=None, error_type=ValueError):
+            if callable(cond) and not isinstance(cond, torch.Tensor):
+                cond = cond()
+            if not isinstance(cond, FakeTensor):
+                return orig(cond, msg, error_type)
+            cond.all()
+            where = model_source_stack()
+            at = f" at {where.split(' (', 1)[0]}" if where else ""
+            known.assume(f"assumed: the model's check of its inputs' values{at} holds, as in "
+                         "any run that goes past it (a symbolic run has sizes, not values)")
+        return torch_compilable_check
 
-    def torch_compilable_check(cond, msg=None, error_type=ValueError):
-        if callable(cond) and not isinstance(cond, torch.Tensor):
-            cond = cond()
-        if not isinstance(cond, FakeTensor):
-            return orig(cond, msg, error_type)
-        cond.all()
-        where = model_source_stack()
-        at = f" at {where.split(' (', 1)[0]}" if where else ""
-        known.assume(f"assumed: the model's check of its inputs' values{at} holds, as in any "
-                     "run that goes past it (a symbolic run has sizes, not values)")
-
-    found = [m for name, m in list(sys.modules.items())
-             if name.startswith("transformers") and m is not None
-             and getattr(m, "torch_compilable_check", None) is orig]
-    for m in found:
-        m.torch_compilable_check = torch_compilable_check
-    try:
-        yield
-    finally:
-        for m in found:
-            m.torch_compilable_check = orig
+    return _in_every_module("torch_compilable_check", holds)
 
 
 def adapt(model: torch.nn.Module, inputs: dict):

@@ -1,7 +1,8 @@
 """Where in the user's code something happened: the innermost frame of model code.
 
 Model code is any file that is not torch's, memsim's, the standard library's, sympy's,
-networkx's or one of Hugging Face's helpers (``transformers/utils``). Errors name that ``file:line``; specializations are traced back to it.
+networkx's or one of Hugging Face's helpers (``transformers/utils``). Errors name that
+``file:line``; specializations are traced back to it.
 """
 
 from __future__ import annotations
