@@ -33,6 +33,8 @@ for _ns in ("aten", "prims", "prim", "profiler", "_c10d_functional", "c10d", "fs
     register(Kind.NAMESPACE, _ns, "checked",
              doc="memory of its ops checked against real runs (tests/)")
 
+_DEVICE = torch.ops.prim.device.default
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns memory: a DTensor's local shard, any other tensor itself."""
@@ -129,6 +131,9 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.device = device
         self.run = RunRecord()
+        # whether ``t.device`` queries go unrecorded: only in a run that is never folded
+        # (memsim.tracer.fold places the units' regions by every op, these included)
+        self.device_queries_unrecorded = False
         self.phase = Phase.SETUP
         self.module_stack: list[str] = []
         self.accumulated: set[int] = set()  # ids of the parameters whose gradient accumulated
@@ -405,6 +410,16 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._paused:
             return func(*args, **kwargs)
+        if func is _DEVICE and self.device_queries_unrecorded and not kwargs and \
+                len(args) == 1 and args[0] in self._producer:
+            # ``t.device`` on a tensor already recorded allocates nothing and reads no data
+            # (DeepSpeed's ZeRO-3 asks it about 80 times per parameter and step: two thirds of
+            # the ops it issues). It still names the module of the autograd node last
+            # numbered, as every op does (below)
+            if self.module_stack:
+                self._node_module.setdefault(torch._C._autograd._get_sequence_nr() - 1,
+                                             self.module_stack[-1])
+            return func(*args)
         flat_in = _tensors((args, kwargs), [])
         if any(local(t) is not t for t in flat_in):
             # A DTensor op: let DTensor run it; the ops on local shards it issues come back here

@@ -327,6 +327,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     shape_env = ShapeEnv()
     recorder = Recorder(config.device)
     recorder.shape_env = shape_env
+    recorder.device_queries_unrecorded = driven   # a library's loop is traced whole
     was_training = model.training
     try:
         with contextlib.ExitStack() as stack:
