@@ -28,6 +28,8 @@ CASES = {
     "full_slices": (zoo.FullSlices, {"x": ("float32", ["B", "S", 24])},
                     grid(B=(2, 8), S=(5, 64, 111))),
     "dead_branch": (zoo.DeadBranch, {"x": ("float32", ["B", 8])}, grid(B=(2, 3, 9))),
+    "kernel_layouts_and_losses": (zoo.Layouts, {"x": ("float32", ["B", "S", 8])},
+                                  grid(B=(2, 5), S=(3, 10))),
     "tiny_gpt": (zoo.TinyGPT, {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])},
                  grid(B=(2, 3, 4), S=(4, 9, 33))),
 }

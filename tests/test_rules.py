@@ -177,6 +177,60 @@ def test_pad_and_triangular_solve_rules_make_the_kernels_tensors():
             (theirs.shape, theirs.stride(), theirs.untyped_storage().nbytes()), kw
 
 
+def test_norm_and_loss_rules_make_the_cpu_kernels_tensors():
+    """On real CPU tensors, the rules' outputs have the shapes, strides and storage sizes of
+    ATen's own CPU kernels: batch and group norm lay out the input's gradient (and batch
+    norm its output) in the input's suggested format, layer norm's and log-softmax's
+    backward make it contiguous, batch norm's backward leaves out what its mask does, and a
+    reduced mse / smooth-L1 / BCE / soft-margin loss is a scalar over the elementwise
+    storage."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    from memsim.tracer import kernels as K
+    cpu, A = SimpleNamespace(device="cpu"), torch.ops.aten
+
+    def same(rule, op, args):
+        """The rule over the fake kernel, against the real kernel."""
+        theirs = op(*args)
+        with FakeTensorMode() as mode:
+            mine = rule(cpu, op, tree_map(
+                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args), {})
+        for a, b in zip(mine if isinstance(mine, tuple) else (mine,),
+                        theirs if isinstance(theirs, tuple) else (theirs,)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert (a.shape, a.stride(), a.untyped_storage().nbytes()) == \
+                    (b.shape, b.stride(), b.untyped_storage().nbytes())
+    xt = torch.randn(3, 4, 8).transpose(1, 2)             # (3, 8, 4), transposed
+    w, b, rm, rv = torch.ones(8), torch.zeros(8), torch.zeros(8), torch.ones(8)
+    same(K._batch_norm, A.native_batch_norm.default, (xt, w, b, rm, rv, True, 0.1, 1e-5))
+    for mask in ([True, True, True], [False, True, True]):
+        same(K._batch_norm_backward, A.native_batch_norm_backward.default,
+             (xt.clone(), xt, w, rm, rv, torch.zeros(8), torch.ones(8), True, 1e-5, mask))
+    x4, g4 = torch.randn(2, 8, 4, 4), torch.randn(2, 4, 4, 8).permute(0, 3, 1, 2)
+    same(K._group_norm_backward, A.native_group_norm_backward.default,
+         (g4, x4, torch.zeros(2, 2), torch.ones(2, 2), w, 2, 8, 16, 2, [True, True, True]))
+    x, gt = torch.randn(3, 8, 4), torch.randn(3, 4, 8).transpose(1, 2)
+    same(K._contiguous_first, A.native_layer_norm_backward.default,
+         (gt, x, [4], torch.zeros(3, 8, 1), torch.ones(3, 8, 1), torch.ones(4), torch.zeros(4),
+          [True, True, True]))
+    same(K._contiguous_first, A._log_softmax_backward_data.default,
+         (gt, xt.log_softmax(-1), -1, torch.float32))
+    p, y = torch.randn(7, 5).t(), torch.randn(5, 7)
+    for red in (1, 2):
+        same(K._reduced_loss, A.mse_loss.default, (p, y, red))
+        same(K._reduced_loss, A.smooth_l1_loss.default, (p, y, red, 1.0))
+        same(K._reduced_loss, A.binary_cross_entropy.default, (p.sigmoid(), y.sigmoid(), None, red))
+        same(K._reduced_loss, A.soft_margin_loss.default, (p, y, red))
+    one = torch.tensor(1.0)
+    same(K._contiguous_grad, A.mse_loss_backward.default, (one, p, y, 1))
+    same(K._contiguous_grad, A.smooth_l1_loss_backward.default, (one, p, y, 1, 1.0))
+    same(K._contiguous_grad, A.huber_loss_backward.default, (one, p, y, 1, 1.0))
+
+
 def _reached(run) -> set:
     before = hits()
     run()
@@ -199,6 +253,10 @@ def _traces():
     analyze(cnn, {"x": ("float32", ["B", 3, 8, 8])}, device="cpu", precision="bf16-mixed",
             inference=False)
     analyze(full, {"x": ("float32", ["B", "S", 24])}, device="cpu", inference=False)
+    # norms' layouts on the CPU, BatchNorm's output mask, the losses' scalar storages
+    with meta():
+        layouts = zoo.Layouts()
+    analyze(layouts, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
     analyze(pad, {"x": ("float32", ["B", "S", 8])}, device="cpu", inference=False)
     # baddbmm with an input broadcast into its output (BLOOM's ALiBi)
     with meta():

@@ -34,7 +34,8 @@ def _changes(series: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("factory,inputs,point", [
     (zoo.Block, SEQ, {"B": 2, "S": 8}), (zoo.Block, SEQ, {"B": 4, "S": 64}),
-    (zoo.MLP, MLP_IN, {"B": 5}), (zoo.TinyGPT, LM, {"B": 3, "S": 16})])
+    (zoo.MLP, MLP_IN, {"B": 5}), (zoo.TinyGPT, LM, {"B": 3, "S": 16}),
+    (zoo.Layouts, {"x": ("float32", ["B", "S", 8])}, {"B": 5, "S": 10})])
 def test_timeline_is_the_real_runs_sequence(factory, inputs, point):
     tl = timeline(_report(factory, inputs), point)
     torch.manual_seed(0)

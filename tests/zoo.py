@@ -409,3 +409,30 @@ class PerSample(nn.Module):
 
     def forward(self, x):  # (B, S, 12)
         return torch.stack([self.lin(s).relu() for s in x]).pow(2).sum()
+
+
+class Layouts(nn.Module):
+    """Kernels whose outputs the fake (meta) kernels lay out or size differently from the real
+    ones, in a regression head with each reduced loss: BatchNorm over a transposed input
+    (PatchTST), LayerNorm and log-softmax whose incoming gradient is transposed (Swin's final
+    norm), GroupNorm, and the losses whose scalar keeps their elementwise storage."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(d)
+        self.ln = nn.LayerNorm(d)
+        self.gn = nn.GroupNorm(2, d)
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+
+    def forward(self, x):  # (B, S, d)
+        h = self.bn(x.transpose(1, 2)).transpose(1, 2)        # (B, S, d), transposed layout
+        h = self.q(h)                                          # a copy for the matmul, real
+        n = self.ln(h).transpose(1, 2).mean(-1)                # LayerNorm's gradient transposed
+        g = self.gn(h.transpose(1, 2)).transpose(1, 2)
+        p = F.log_softmax(self.k(g), -1).transpose(1, 2).mean(-1)
+        t = x.transpose(1, 2)[..., :1].mean(-1)                # a (B, d) target
+        y = torch.sigmoid(n)
+        return (F.mse_loss(n.transpose(0, 1), t.transpose(0, 1))
+                + F.smooth_l1_loss(n, t) + F.huber_loss(p, t, reduction="sum")
+                + F.binary_cross_entropy(y, torch.sigmoid(t)) + F.soft_margin_loss(p, t))

@@ -150,7 +150,10 @@ def _layer_norm(recorder, func, args, kwargs):
 
 
 @rule(Kind.ATEN, aten.native_batch_norm.default,
-               doc="bf16/fp16 input with fp32 weight (autocast), training: save_mean and "
+               doc="CPU: the output is allocated in the input's suggested memory format "
+                   "(contiguous unless channels-last), where the fake kernel keeps the input's "
+                   "strides (a transposed input: PatchTST's BatchNorm over (B, d, patches)); "
+                   "bf16/fp16 input with fp32 weight (autocast), training: save_mean and "
                    "save_invstd are fp32 in the real kernel; the fake kernel makes them the "
                    "input dtype")
 def _batch_norm(recorder, func, args, kwargs):
@@ -158,14 +161,121 @@ def _batch_norm(recorder, func, args, kwargs):
     names = ("input", "weight", "bias", "running_mean", "running_var", "training")
     a = dict(zip(names, args), **kwargs)
     x, w = a["input"], a.get("weight")
-    if not (a.get("training") and x.dtype in (torch.bfloat16, torch.float16) and w is not None
-            and w.dtype == torch.float32):
-        return func(*args, **kwargs)
-    c = x.shape[1]
-    out = torch.empty_like(x)
-    mean = torch.empty((c,), dtype=torch.float32, device=x.device)
-    invstd = torch.empty((c,), dtype=torch.float32, device=x.device)
-    return out, mean, invstd
+    if a.get("training") and x.dtype in (torch.bfloat16, torch.float16) and w is not None \
+            and w.dtype == torch.float32:
+        c = x.shape[1]
+        out = torch.empty_like(x)
+        mean = torch.empty((c,), dtype=torch.float32, device=x.device)
+        invstd = torch.empty((c,), dtype=torch.float32, device=x.device)
+    else:
+        out, mean, invstd = func(*args, **kwargs)
+    return _cpu_layout(recorder, out, x), mean, invstd
+
+
+@rule(Kind.ATEN, aten.native_batch_norm_backward.default,
+               doc="a gradient the output mask leaves out is not allocated (the fake kernel "
+                   "allocates the input's gradient whatever the mask: BatchNorm over an input "
+                   "that needs no gradient); CPU: the input's gradient is allocated in the "
+                   "input's suggested memory format, where the fake kernel keeps its strides")
+def _batch_norm_backward(recorder, func, args, kwargs):
+    """``native_batch_norm_backward(grad_out, x, w, running_mean, running_var, save_mean,
+    save_invstd, train, eps, output_mask)`` as the real kernels allocate it."""
+    outs = func(*args, **kwargs)
+    mask = args[9] if len(args) > 9 else kwargs.get("output_mask", (True, True, True))
+    outs = [t if m else None for t, m in zip(outs, mask)]
+    x = args[1] if len(args) > 1 else kwargs["input"]
+    outs[0] = _cpu_layout(recorder, outs[0], x)
+    return tuple(outs)
+
+
+def _cpu_layout(recorder, out, x):
+    """``out`` as the CPU batch-norm kernels allocate it (``empty_like(x,
+    x.suggest_memory_format())``): a fresh tensor in that format where the fake kernel's
+    differs (same bytes: what differs is the layout, and with it whether later ops copy)."""
+    if recorder.device != "cpu" or out is None:
+        return out
+    fmt = _memory_format(x)
+    if out.is_contiguous(memory_format=fmt):
+        return out
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=fmt)
+
+
+# losses whose kernel computes the elementwise loss into the output, then reduces it into the
+# same tensor resized to 0-dim (structured mse_loss / smooth_l1_loss; binary_cross_entropy and
+# soft_margin_loss ``resize_`` their output): the scalar keeps the elementwise storage
+_REDUCED_LOSSES = {aten.mse_loss.default: 2, aten.smooth_l1_loss.default: 2,
+                   aten.binary_cross_entropy.default: 3, aten.soft_margin_loss.default: 2}
+
+
+def _reduced_loss(recorder, func, args, kwargs):
+    """``loss(input, target, ..., reduction)``: under a mean or sum reduction the 0-dim result
+    holds a storage of the broadcast inputs' size (a real CPU run: F.mse_loss of a (5, 7)
+    prediction returns a scalar over 140 bytes); the fake kernel allocates 4."""
+    out = func(*args, **kwargs)
+    at = _REDUCED_LOSSES[func]
+    reduction = args[at] if len(args) > at else kwargs.get("reduction", 1)
+    if reduction == 0 or not isinstance(out, torch.Tensor) or out.dim() != 0:
+        return out
+    shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+    buf = torch.empty(shape, dtype=out.dtype, device=out.device)
+    return buf.as_strided((), ())
+
+
+for _op in _REDUCED_LOSSES:
+    rule(Kind.ATEN, _op,
+         doc="mean or sum reduction: the 0-dim loss keeps the elementwise loss's storage (the "
+             "kernel reduces into its output resized to a scalar); the fake kernel allocates "
+             "a fresh scalar")(_reduced_loss)
+
+
+def _contiguous_grad(recorder, func, args, kwargs):
+    """``loss_backward(grad, input, target, ...)``: the kernel allocates the input's gradient
+    contiguous (``zeros_like(input, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``), where the fake kernel
+    keeps a transposed input's strides; same bytes, but later views of it copy or not (a real
+    CPU run of PatchTST's head copies it where the fake layout would not)."""
+    out = func(*args, **kwargs)
+    if isinstance(out, torch.Tensor) and not out.is_contiguous():
+        return torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    return out
+
+
+for _op in (aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default,
+            aten.huber_loss_backward.default):
+    rule(Kind.ATEN, _op, doc="the input's gradient is contiguous whatever the input's layout; "
+                             "the fake kernel keeps the input's strides")(_contiguous_grad)
+
+
+def _contiguous_first(recorder, func, args, kwargs):
+    """An op whose kernel allocates its first output contiguous (layer norm's backward makes
+    the input's gradient ``empty_like(X, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``; log-softmax's
+    structured backward sets it without strides), where the fake kernel keeps the strides of a
+    transposed gradient (Swin's final norm gets one): same bytes, but later views copy or
+    not."""
+    out = func(*args, **kwargs)
+    first = out[0] if isinstance(out, tuple) else out
+    if not isinstance(first, torch.Tensor) or first.is_contiguous():
+        return out
+    fresh = torch.empty(first.shape, dtype=first.dtype, device=first.device)
+    return (fresh, *out[1:]) if isinstance(out, tuple) else fresh
+
+
+for _op in (aten.native_layer_norm_backward.default, aten._log_softmax_backward_data.default):
+    rule(Kind.ATEN, _op, doc="the input's gradient is contiguous whatever the incoming "
+                             "gradient's layout; the fake kernel keeps its strides"
+         )(_contiguous_first)
+
+
+@rule(Kind.ATEN, aten.native_group_norm_backward.default, device="cpu",
+      doc="the input's gradient is allocated in the input's suggested memory format; the "
+          "fake kernel follows the incoming gradient's layout")
+def _group_norm_backward(recorder, func, args, kwargs):
+    """``native_group_norm_backward(grad_out, x, ...)`` on the CPU."""
+    grad_in, *rest = func(*args, **kwargs)
+    x = args[1] if len(args) > 1 else kwargs["input"]
+    if grad_in is not None and not grad_in.is_contiguous(memory_format=_memory_format(x)):
+        grad_in = torch.empty(grad_in.shape, dtype=grad_in.dtype, device=grad_in.device,
+                              memory_format=_memory_format(x))
+    return (grad_in, *rest)
 
 
 def _functional(name: str):
