@@ -30,6 +30,8 @@ CASES = {
     "dead_branch": (zoo.DeadBranch, {"x": ("float32", ["B", 8])}, grid(B=(2, 3, 9))),
     "kernel_layouts_and_losses": (zoo.Layouts, {"x": ("float32", ["B", "S", 8])},
                                   grid(B=(2, 5), S=(3, 10))),
+    "finite_checks": (zoo.FiniteChecks, {"x": ("float32", ["B", "S", 8])},
+                      grid(B=(2, 5), S=(3, 10))),
     "tiny_gpt": (zoo.TinyGPT, {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])},
                  grid(B=(2, 3, 4), S=(4, 9, 33))),
 }
@@ -40,6 +42,9 @@ def test_matches_real_run(name):
     factory, inputs, points = CASES[name]
     report = predict(factory, inputs)
     check(report, factory, inputs, points)
+    if name == "finite_checks":   # the checks of values taken to hold are in the notes
+        assert sum("check that its values are finite" in n for n in report.notes) == 2, \
+            report.notes
 
 
 def test_other_optimizers_match():

@@ -195,6 +195,35 @@ def test_vision_language_model_matches_real_run(factory):
 
 
 @pytest.mark.slow
+class _BoxLoss(__import__("torch").nn.Module):
+    """A user's module around DETR: a loss on the predicted boxes (DETR's own loss matches
+    boxes to labels with scipy, from values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.detr = T.DetrForObjectDetection(T.DetrConfig(
+            use_timm_backbone=False, use_pretrained_backbone=False,
+            backbone_config=T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16],
+                                           depths=[1, 1], out_features=["stage2"]),
+            d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=5))
+
+    def forward(self, pixel_values):
+        return self.detr(pixel_values=pixel_values).pred_boxes.pow(2).mean()
+
+
+def test_detr_inside_a_users_module_matches_real_run():
+    """DETR caches its position embeddings with Hugging Face's lru_cache, whose key hashes the
+    symbolic shape (TypeError), and its encoder clamps activations ``if not
+    torch.isfinite(h).all()`` (a value). Inside a user's module, Hugging Face's patches apply:
+    the cache keys sizes by their expressions and keeps its entry as the real one does, and
+    the check is taken to hold, as in a healthy step (a note says so)."""
+    inputs = {"pixel_values": ("float32", ["B", 3, 32, 32])}
+    report = predict(_BoxLoss, inputs, inference=False)
+    assert any("check that its values are finite" in n for n in report.notes), report.notes
+    check(report, _BoxLoss, inputs, [{"B": 2}, {"B": 3}])
+
+
 def test_gpt2_eager_attention_with_padding_mask():
     """A padded attention mask: HF materializes the (B, 1, S, S) mask in the real run too."""
     def factory():

@@ -436,3 +436,23 @@ class Layouts(nn.Module):
         return (F.mse_loss(n.transpose(0, 1), t.transpose(0, 1))
                 + F.smooth_l1_loss(n, t) + F.huber_loss(p, t, reduction="sum")
                 + F.binary_cross_entropy(y, torch.sigmoid(t)) + F.soft_margin_loss(p, t))
+
+
+class FiniteChecks(nn.Module):
+    """Branches on checks of its activations' values, as Hugging Face models do in training
+    (DETR's encoder: ``if not torch.isfinite(h).all(): clamp``; fp16 models: ``if
+    torch.isinf(h).any()``): a healthy step takes neither branch."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x):  # (B, S, d)
+        h = self.a(x).relu()
+        if not torch.isfinite(h).all():
+            h = h.clamp(-1e4, 1e4)
+        h = self.b(h)
+        if torch.isinf(h).any() or torch.isnan(h).any():
+            h = torch.nan_to_num(h)
+        return h.pow(2).mean()

@@ -6,6 +6,7 @@ Imported only when the model is a ``transformers.PreTrainedModel``; transformers
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -14,7 +15,10 @@ from .spec import make_spec, TensorSpec
 
 
 def is_hf(model: torch.nn.Module) -> bool:
-    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+    """Whether ``model`` is, or holds, a Hugging Face module (a user's own module around a
+    transformers model needs the same patches)."""
+    return any(c.__module__.startswith("transformers.")
+               for m in model.modules() for c in type(m).__mro__)
 
 
 def limits(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
@@ -289,6 +293,77 @@ def checks_hold():
     return _in_every_module("torch_compilable_check", holds)
 
 
+def symbolic_lru_caches():
+    """Hugging Face's ``compile_compatible_method_lru_cache`` (DETR's and its relatives' position
+    embeddings, about 60 modeling files) is an ``lru_cache``, whose key hashes the arguments:
+    a symbolic shape's SymInts cannot be hashed (TypeError). For the run, each such method
+    caches as the real one does: its key's sizes by their expressions and other objects as the
+    ``lru_cache`` hashes them, the same number of entries kept, and each entry holding its
+    arguments and result (the real cache keeps them alive until the entry is evicted)."""
+    import sys
+    from collections import OrderedDict
+
+    try:
+        from transformers.pytorch_utils import compile_compatible_method_lru_cache as dec
+    except ImportError:  # pragma: no cover - an older transformers
+        return contextlib.nullcontext()
+    code = dec(maxsize=1)(lambda: None).__code__
+
+    def cells(fn) -> dict:
+        return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+
+    def ours(wrapper):
+        c = cells(wrapper)
+        func, maxsize = c["func"], c["func_with_cache"].cache_info().maxsize
+        entries: OrderedDict = OrderedDict()
+
+        @functools.wraps(func)
+        def cached(*args, **kwargs):
+            key = _hashable((args, tuple(sorted(kwargs.items()))))
+            if key in entries:
+                entries.move_to_end(key)
+                return entries[key][1]
+            out = func(*args, **kwargs)
+            entries[key] = ((args, kwargs), out)
+            if maxsize is not None and len(entries) > maxsize:
+                entries.popitem(last=False)
+            return out
+        return cached
+
+    found = []
+    for name, m in list(sys.modules.items()):
+        if not name.startswith("transformers.models") or m is None:
+            continue
+        for owner in [m] + [v for v in vars(m).values()
+                            if isinstance(v, type) and v.__module__ == name]:
+            for attr, v in list(vars(owner).items()):
+                fn = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+                if getattr(fn, "__code__", None) is code:
+                    new = ours(fn)
+                    found.append((owner, attr, v, type(v)(new) if fn is not v else new))
+
+    @contextlib.contextmanager
+    def run():
+        for owner, attr, _, new in found:
+            setattr(owner, attr, new)
+        try:
+            yield
+        finally:
+            for owner, attr, orig, _ in found:
+                setattr(owner, attr, orig)
+    return run()
+
+
+def _hashable(x):
+    """``x`` as a cache key: SymInts by their expression, sequences element by element, other
+    objects as they are (a tensor hashes by identity, as in ``lru_cache``)."""
+    if isinstance(x, torch.SymInt):
+        return ("SymInt", str(x.node.expr))
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__,) + tuple(_hashable(v) for v in x)
+    return x
+
+
 def adapt(model: torch.nn.Module, inputs: dict):
     """``(patches, limits)`` for ``model``: a factory of the context manager entered for a run
     (given the run's model: a strategy traces a copy), or None, and size limits."""
@@ -298,7 +373,7 @@ def adapt(model: torch.nn.Module, inputs: dict):
     @contextlib.contextmanager
     def patches(run_model: torch.nn.Module):
         with eager_like(), all_ones_mask(), every_layer_runs(run_model), \
-                spec_augment_refused(), checks_hold():
+                spec_augment_refused(), checks_hold(), symbolic_lru_caches():
             yield
 
     return patches, limits(model, inputs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import known
 from .errors import DataDependentError
 from .records import Phase
 from .rules import Kind, rule
@@ -19,8 +20,10 @@ def _from_grad_scaler() -> bool:
 
 
 @rule(Kind.ATEN, aten._local_scalar_dense.default,
-               doc="optimizer step counters read with .item(): value 1; GradScaler's found_inf: "
-                   "0 (no overflow, the step runs); memory never depends on them")
+               doc="a value known in the run (tracer/known.py: a mask of ones, a healthy "
+                   "step's finite check); optimizer step counters read with .item(): value 1; "
+                   "GradScaler's found_inf: 0 (no overflow, the step runs); memory never "
+                   "depends on them")
 def _local_scalar(recorder, func, args, kwargs):
     """``.item()``: allowed only in the optimizer, where it reads the step count (or the
     GradScaler's overflow flag: the steady-state step has none). A :class:`memsim.tracer.Driver`
@@ -30,6 +33,10 @@ def _local_scalar(recorder, func, args, kwargs):
         value = hook(args[0])
         if value is not None:
             return value
+    v = known.value(args[0])
+    if v is not None:   # every element known (tracer/known.py): a mask of ones, a finite check
+        t = args[0]
+        return bool(v) if t.dtype == torch.bool else (float(v) if t.is_floating_point() else v)
     if recorder.phase is Phase.OPTIMIZER or recorder.phase is Phase.SETUP:
         t = args[0]
         if _from_grad_scaler():

@@ -1,19 +1,26 @@
-"""Storages whose every element is known to be one, followed through the symbolic run.
+"""Storages whose every element is known to be one (or zero), followed through the symbolic run.
 
 A fake tensor has no values, but some code decides its path from values that are known without
 reading them: Hugging Face's encoder-decoders (BART, Pegasus, Marian...) make their decoder's
 padding mask with ``torch.ones`` when none is given, and its sdpa mask code then drops the
 (B, 1, S, S) mask after checking ``padding_mask.all()`` (:func:`memsim.tracer.hf.all_ones_mask`).
-This module remembers which storages hold only ones:
+This module remembers which storages hold only ones, or only zeros:
 
-- made by ``ones``, ``ones_like``, ``new_ones``, or ``full``/``full_like``/``new_full`` with the
-  value 1, or an input given with ``fill="ones"`` (:class:`~memsim.tracer.spec.TensorSpec`);
+- made by ``ones``/``zeros`` (and ``_like``, ``new_``), or ``full``/``full_like``/``new_full``
+  with the value 1 or 0, or an input given with ``fill="ones"``
+  (:class:`~memsim.tracer.spec.TensorSpec`);
 - a copy of such a tensor that keeps its values (a dtype conversion, ``clone``, an index or
-  gather from it, ``repeat``, ``expand`` copied); a view shares the storage, so it is known too;
+  gather from it, ``repeat``, ``expand`` copied, a nearest resize); a view shares the storage,
+  so it is known too;
+  ``all``/``any`` of it, and the logical negation of a boolean one;
+- a check that a healthy step's activations are finite: ``isfinite`` gives ones, ``isnan`` and
+  ``isinf`` zeros (DETR's encoder clamps its activations ``if not torch.isfinite(h).all()``).
+  Each such check is recorded as assumed (:func:`assume`), as a step that goes on past it;
 - forgotten when any op writes into the storage (an in-place op or an ``out=`` argument).
 
-The recorder (:class:`~memsim.tracer.recorder.Recorder`) calls :func:`observe` for each op it
-records, while :func:`tracking` is entered (the run). Nothing is assumed of values otherwise.
+Reading such a value (``.item()``, ``bool()``) gives it (:func:`value`). The recorder
+(:class:`~memsim.tracer.recorder.Recorder`) calls :func:`observe` for each op it records, while
+:func:`tracking` is entered (the run). Nothing is assumed of values otherwise.
 
 The run also keeps the checks of values it took to hold (:func:`assume`: a vision-language
 model's check of its image tokens), which the report lists.
@@ -27,18 +34,42 @@ import weakref
 import torch
 
 aten = torch.ops.aten
+_INF = float("inf")
 
-# ops that make a fresh tensor of ones: op -> index of the fill value among the args (None: ones)
-_MAKES = {aten.ones.default: None, aten.ones_like.default: None, aten.new_ones.default: None,
-          aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
+# ops that make a fresh tensor of one value: op -> (index of the value among the args, or
+# None, and the value it has then)
+_MAKES = {aten.ones.default: (None, 1), aten.ones_like.default: (None, 1),
+          aten.new_ones.default: (None, 1), aten.zeros.default: (None, 0),
+          aten.zeros_like.default: (None, 0), aten.new_zeros.default: (None, 0),
+          aten.full.default: (1, None), aten.full_like.default: (1, None),
+          aten.new_full.default: (2, None)}
 # ops whose result holds only values of their first tensor argument
 _KEEPS = frozenset({aten._to_copy.default, aten.clone.default, aten.index.Tensor,
                     aten.index_select.default, aten.gather.default, aten.repeat.default,
                     aten.expand_copy.default, aten.slice_copy.Tensor,
                     aten.select_copy.int, aten.alias_copy.default,
-                    aten.view_copy.default, aten._unsafe_view.default})
+                    aten.view_copy.default, aten._unsafe_view.default,
+                    aten.all.default, aten.all.dim, aten.all.dims, aten.any.default,
+                    aten.any.dim, aten.any.dims}
+                   # nearest resizing copies values (DETR resizes its mask of ones)
+                   | {getattr(getattr(aten, f"{p}{d}d"), o) for p in (
+                       "upsample_nearest", "_upsample_nearest_exact") for d in (1, 2, 3)
+                      for o in ("default", "vec")})
+# ops whose boolean result flips a known one: logical negation
+_NEGATES = frozenset({aten.logical_not.default, aten.bitwise_not.default})
+# a healthy step's checks of its activations: op -> the value of every element
+_HEALTHY = {aten.isfinite.default: 1, aten.isnan.default: 0, aten.isinf.default: 0,
+            aten.isposinf.default: 0, aten.isneginf.default: 0}
 
-_NOTHING, _MAKE, _KEEP, _WRITE = range(4)
+# torch.isfinite is composite: ``(x == x) * (x.abs() != inf)``; a healthy step's comparisons
+_SELF_COMPARE = {aten.eq.Tensor: 1, aten.ne.Tensor: 0}          # x == x (no NaN), x != x
+_INF_COMPARE = {aten.ne.Scalar: 1, aten.eq.Scalar: 0}           # x != inf, x == inf
+# ops that combine two known boolean values: op -> how
+_COMBINES = {aten.mul.Tensor: min, aten.logical_and.default: min,
+             aten.bitwise_and.Tensor: min, aten.logical_or.default: max,
+             aten.bitwise_or.Tensor: max}
+
+_NOTHING, _MAKE, _KEEP, _WRITE, _NEGATE, _CHECK, _COMPARE, _COMBINE = range(8)
 _kinds: dict = {}
 _active: "_Known | None" = None
 
@@ -50,6 +81,14 @@ def _kind(func) -> int:
             k = _MAKE
         elif func in _KEEPS:
             k = _KEEP
+        elif func in _NEGATES:
+            k = _NEGATE
+        elif func in _HEALTHY:
+            k = _CHECK
+        elif func in _SELF_COMPARE or func in _INF_COMPARE:
+            k = _COMPARE
+        elif func in _COMBINES:
+            k = _COMBINE
         elif any(a.alias_info is not None and a.alias_info.is_write
                  for a in func._schema.arguments):
             k = _WRITE
@@ -61,33 +100,72 @@ def _kind(func) -> int:
 
 class _Known:
     def __init__(self) -> None:
-        self.ones: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # storage -> the value every element holds (1 or 0)
+        self.values: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.assumed: list[str] = []  # checks of values taken to hold, in words
 
-    def mark(self, t: torch.Tensor) -> None:
-        self.ones[t.untyped_storage()] = True
+    def mark(self, t: torch.Tensor, value: int = 1) -> None:
+        self.values[t.untyped_storage()] = value
+
+    def value(self, t):
+        if not (isinstance(t, torch.Tensor) and self.values):
+            return None
+        return self.values.get(t.untyped_storage())
 
     def holds(self, t) -> bool:
-        return (isinstance(t, torch.Tensor) and bool(self.ones)
-                and t.untyped_storage() in self.ones)
+        return self.value(t) == 1
+
+    def _healthy(self, t: torch.Tensor) -> None:
+        """A check of ``t``'s values taken to find them finite: noted where ``t`` is floating."""
+        if not (t.is_floating_point() or t.is_complex()):
+            return
+        from .sources import model_source_stack
+        where = model_source_stack()
+        at = f" at {where.split(' (', 1)[0]}" if where else ""
+        assume(f"assumed: the model's check that its values are finite{at} holds, as in a "
+               "healthy step")
 
     def observe(self, func, args, kwargs, out) -> None:
         k = _kind(func)
         if k == _NOTHING:
             return
         if k == _MAKE:
-            at = _MAKES[func]
-            value = (args[at] if len(args) > at else kwargs.get("fill_value")) \
-                if at is not None else 1
+            at, value = _MAKES[func]
+            if at is not None:
+                value = args[at] if len(args) > at else kwargs.get("fill_value")
             if isinstance(out, torch.Tensor) and type(value) in (int, float, bool) \
-                    and value == 1:
-                self.mark(out)
+                    and value in (0, 1):
+                self.mark(out, int(value))
             return
-        if not self.ones:
+        if k == _CHECK:
+            if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+                self._healthy(args[0])
+                self.mark(out, _HEALTHY[func])
             return
-        if k == _KEEP:
-            if args and self.holds(args[0]) and isinstance(out, torch.Tensor):
-                self.mark(out)
+        if k == _COMPARE:
+            if not (isinstance(out, torch.Tensor) and len(args) >= 2
+                    and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
+                return
+            if func in _SELF_COMPARE and args[1] is args[0]:
+                value = _SELF_COMPARE[func]
+            elif func in _INF_COMPARE and isinstance(args[1], float) and abs(args[1]) == _INF:
+                value = _INF_COMPARE[func]
+            else:
+                return
+            self._healthy(args[0])
+            self.mark(out, value)
+            return
+        if k == _COMBINE:
+            a, b = (self.value(x) for x in args[:2])
+            if a is not None and b is not None and isinstance(out, torch.Tensor):
+                self.mark(out, _COMBINES[func](a, b))
+            return
+        if not self.values:
+            return
+        if k in (_KEEP, _NEGATE):
+            v = self.value(args[0]) if args else None
+            if v is not None and isinstance(out, torch.Tensor):
+                self.mark(out, v if k == _KEEP else 1 - v)
             return
         for i, a in enumerate(func._schema.arguments):
             if a.alias_info is None or not a.alias_info.is_write:
@@ -95,7 +173,7 @@ class _Known:
             v = args[i] if i < len(args) else kwargs.get(a.name)
             for t in (v if isinstance(v, (list, tuple)) else (v,)):
                 if isinstance(t, torch.Tensor):
-                    self.ones.pop(t.untyped_storage(), None)
+                    self.values.pop(t.untyped_storage(), None)
 
 
 @contextlib.contextmanager
@@ -124,6 +202,12 @@ def mark(t: torch.Tensor) -> None:
 def all_ones(t) -> bool:
     """Whether every element of ``t``'s storage is known to be one in the current run."""
     return _active is not None and _active.holds(t)
+
+
+def value(t):
+    """The value every element of ``t``'s storage is known to hold in the current run (1 or
+    0), or None."""
+    return None if _active is None else _active.value(t)
 
 
 def observe(func, args, kwargs, out) -> None:

@@ -422,6 +422,7 @@ def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, co
         # host memory is apart from the device's only on a GPU (on the CPU it is all one)
         recorder.host_device = driver.host_device if config.device == "cuda" else None
     stack.enter_context(FakeTensorMode(shape_env=recorder.shape_env, allow_non_fake_inputs=True))
+    stack.enter_context(_quiet_fake_kernels())
     # with a driver the engine casts the model itself (float inputs are made in its dtype)
     stack.enter_context(fake_module(model, "cpu", None if driver is not None else low))
     stack.enter_context(optimizer_defaults_for(config.device))
@@ -433,6 +434,21 @@ def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, co
         transform(model)
     return make_inputs(specs, recorder.shape_env, hints,
                        driver.device if driver is not None else "cpu", low)
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernels():
+    """PyTorch logs every failing meta kernel with its traceback at ERROR level
+    (``torch._subclasses.fake_tensor``); the failure itself comes back as memsim's typed error
+    (or the run is retried at other sizes), so the log stays quiet during the run."""
+    import logging
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    was = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
 def _record(stack: contextlib.ExitStack, recorder: Recorder, model, inputs: dict, config
