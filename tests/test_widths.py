@@ -5,9 +5,10 @@ the width-64 tests never reach. Every figure per
 rank: peak, parameters, gradients, optimizer states. ZeRO at DeepSpeed's default buckets is in
 tests/test_zero.py.
 
-The three runs at Llama-2-7B's widths are marked ``wide``: the README's test command leaves
-them out (20-60 s and GBs each, most of the suite's budget); ``.ci/run`` runs them as a step of
-their own, and ``python -m pytest -m wide`` runs them anywhere."""
+The three runs at Llama-2-7B's widths are marked ``wide``, as are tests/test_zero.py's runs
+at realistic widths: the README's test command leaves them out (10-60 s and GBs each, most of
+the suite's budget); ``.ci/run`` runs them as a step of their own, and ``python -m pytest -m
+wide`` runs them anywhere."""
 
 import functools
 

@@ -168,7 +168,7 @@ def _wide_inputs():
     return O.mlp_inputs(batch=8, width=1024)
 
 
-@pytest.mark.slow
+@pytest.mark.wide
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_realistic_width_default_buckets_matches_real_run(stage):
     """A realistic width with DeepSpeed's default buckets (reduce_bucket_size 5e8, stage-3
@@ -286,6 +286,7 @@ def test_zero_offload_splits_device_and_host_on_gpu():
     assert rr.allocated == g["peak"] and rr.reserved >= rr.allocated
 
 
+@pytest.mark.wide
 def test_zero3_on_gpu_replays_a_step_for_the_second_warm_up(monkeypatch):
     """Modelling CUDA, stage 3 traces one warm-up step and the caching-allocator replay walks
     the measured step once more before the one it measures (``RunRecord.replays``). After one

@@ -33,7 +33,7 @@ def _local_scalar(recorder, func, args, kwargs):
         value = hook(args[0])
         if value is not None:
             return value
-    v = known.value(args[0])
+    v = known.read(args[0])
     if v is not None:   # every element known (tracer/known.py): a mask of ones, a finite check
         t = args[0]
         return bool(v) if t.dtype == torch.bool else (float(v) if t.is_floating_point() else v)

@@ -15,7 +15,7 @@ This module remembers which storages hold only ones, or only zeros:
   ``all``/``any`` of it, and the logical negation of a boolean one;
 - a check that a healthy step's activations are finite: ``isfinite`` gives ones, ``isnan`` and
   ``isinf`` zeros (DETR's encoder clamps its activations ``if not torch.isfinite(h).all()``).
-  Each such check is recorded as assumed (:func:`assume`), as a step that goes on past it;
+  A step that reads such a check's value (:func:`read`) records it as assumed (:func:`assume`);
 - forgotten when any op writes into the storage (an in-place op or an ``out=`` argument).
 
 Reading such a value (``.item()``, ``bool()``) gives it (:func:`value`). The recorder
@@ -102,10 +102,25 @@ class _Known:
     def __init__(self) -> None:
         # storage -> the value every element holds (1 or 0)
         self.values: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # storage -> what its value was taken to hold from (a healthy step's check), in words
+        self.because: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.assumed: list[str] = []  # checks of values taken to hold, in words
 
-    def mark(self, t: torch.Tensor, value: int = 1) -> None:
+    def mark(self, t: torch.Tensor, value: int = 1, because: str | None = None) -> None:
         self.values[t.untyped_storage()] = value
+        if because is not None:
+            self.because[t.untyped_storage()] = because
+        else:
+            self.because.pop(t.untyped_storage(), None)
+
+    def why(self, *ts) -> str | None:
+        """The assumption any of ``ts``'s values rests on (None: none)."""
+        for t in ts:
+            if isinstance(t, torch.Tensor) and self.because:
+                w = self.because.get(t.untyped_storage())
+                if w is not None:
+                    return w
+        return None
 
     def value(self, t):
         if not (isinstance(t, torch.Tensor) and self.values):
@@ -115,15 +130,17 @@ class _Known:
     def holds(self, t) -> bool:
         return self.value(t) == 1
 
-    def _healthy(self, t: torch.Tensor) -> None:
-        """A check of ``t``'s values taken to find them finite: noted where ``t`` is floating."""
+    @staticmethod
+    def _healthy(t: torch.Tensor) -> str | None:
+        """What a check of ``t``'s values taken to find them finite assumes, in words (None
+        where ``t`` is not floating: then it holds). Noted when the value is read."""
         if not (t.is_floating_point() or t.is_complex()):
-            return
+            return None
         from .sources import model_source_stack
         where = model_source_stack()
         at = f" at {where.split(' (', 1)[0]}" if where else ""
-        assume(f"assumed: the model's check that its values are finite{at} holds, as in a "
-               "healthy step")
+        return (f"assumed: the model's check that its values are finite{at} holds, as in a "
+                "healthy step")
 
     def observe(self, func, args, kwargs, out) -> None:
         k = _kind(func)
@@ -139,8 +156,7 @@ class _Known:
             return
         if k == _CHECK:
             if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
-                self._healthy(args[0])
-                self.mark(out, _HEALTHY[func])
+                self.mark(out, _HEALTHY[func], self._healthy(args[0]))
             return
         if k == _COMPARE:
             if not (isinstance(out, torch.Tensor) and len(args) >= 2
@@ -152,20 +168,19 @@ class _Known:
                 value = _INF_COMPARE[func]
             else:
                 return
-            self._healthy(args[0])
-            self.mark(out, value)
+            self.mark(out, value, self._healthy(args[0]))
             return
         if k == _COMBINE:
             a, b = (self.value(x) for x in args[:2])
             if a is not None and b is not None and isinstance(out, torch.Tensor):
-                self.mark(out, _COMBINES[func](a, b))
+                self.mark(out, _COMBINES[func](a, b), self.why(*args[:2]))
             return
         if not self.values:
             return
         if k in (_KEEP, _NEGATE):
             v = self.value(args[0]) if args else None
             if v is not None and isinstance(out, torch.Tensor):
-                self.mark(out, v if k == _KEEP else 1 - v)
+                self.mark(out, v if k == _KEEP else 1 - v, self.why(args[0]))
             return
         for i, a in enumerate(func._schema.arguments):
             if a.alias_info is None or not a.alias_info.is_write:
@@ -174,6 +189,7 @@ class _Known:
             for t in (v if isinstance(v, (list, tuple)) else (v,)):
                 if isinstance(t, torch.Tensor):
                     self.values.pop(t.untyped_storage(), None)
+                    self.because.pop(t.untyped_storage(), None)
 
 
 @contextlib.contextmanager
@@ -208,6 +224,17 @@ def value(t):
     """The value every element of ``t``'s storage is known to hold in the current run (1 or
     0), or None."""
     return None if _active is None else _active.value(t)
+
+
+def read(t):
+    """:func:`value`, read by the step (``.item()``, ``bool()``): the assumption it rests on,
+    if any, is recorded (:func:`assume`)."""
+    v = value(t)
+    if v is not None:
+        why = _active.why(t)
+        if why is not None:
+            assume(why)
+    return v
 
 
 def observe(func, args, kwargs, out) -> None:
