@@ -11,7 +11,7 @@ storage size or strides differ is listed, with the ATen ops of the fake run that
 rule for (``tracer/kernels.py``; a rule makes the real kernel's tensors in a trace)::
 
     pip install expecttest                 # torch.testing._internal needs it
-    python benchmarks/fake_kernels.py      # about 10 minutes on 2 cores
+    python benchmarks/fake_kernels.py      # about 5 minutes on 2 cores
 
 Strides of size-1 dimensions and of empty tensors are not compared (they do not change a
 layout).
