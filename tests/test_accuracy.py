@@ -32,6 +32,7 @@ CASES = {
                                   grid(B=(2, 5), S=(3, 10))),
     "finite_checks": (zoo.FiniteChecks, {"x": ("float32", ["B", "S", 8])},
                       grid(B=(2, 5), S=(3, 10))),
+    "module_to_in_forward": (zoo.ToInForward, {"x": ("float32", ["B", 8])}, grid(B=(2, 7))),
     "tiny_gpt": (zoo.TinyGPT, {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])},
                  grid(B=(2, 3, 4), S=(4, 9, 33))),
 }

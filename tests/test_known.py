@@ -38,3 +38,27 @@ def test_ones_are_followed_through_copies_and_views_and_forgotten_when_written()
         given.add_(1)
         assert not known.all_ones(given)
     assert not known.all_ones(ones)                  # nothing is known outside a run
+
+
+def test_zeros_pools_reductions_and_a_healthy_steps_checks():
+    """Zeros are followed too; max pooling, nearest resizing and max/min reductions keep a
+    uniform value (CANINE pools its mask of ones, DETR resizes one); ``all``/``any`` and
+    negation decide from it; a healthy step's finite checks (``torch.isfinite``, which is
+    ``(x == x) * (x.abs() != inf)``, ``isnan``, ``isinf``) hold, and reading one is noted."""
+    import torch.nn.functional as F
+    with known.tracking() as run, FakeTensorMode(), _Observed():
+        ones = torch.ones(3, 1, 8)
+        assert known.value(torch.zeros(2)) == 0
+        assert known.value(F.max_pool1d(ones, 4)) == 1
+        assert known.value(F.interpolate(ones, size=5)) == 1             # nearest
+        assert known.value(F.interpolate(ones, size=5, mode="linear")) is None
+        assert known.value(ones.amax(-1)) == 1 and known.value(ones.max(-1).values) == 1
+        assert known.value(ones.to(torch.bool).all()) == 1
+        assert known.value(~torch.zeros(2, dtype=torch.bool)) == 1
+        h = torch.empty(4, 8)                                             # no values known
+        finite = torch.isfinite(h).all()
+        assert known.value(finite) == 1 and not run.assumed               # noted when read
+        assert known.value(torch.isnan(h).any()) == 0
+        assert known.value(torch.isinf(h).any() | torch.isnan(h).any()) == 0
+        assert known.read(finite) == 1 and len(run.assumed) == 1
+        assert known.value(torch.isfinite(torch.zeros(3, dtype=torch.int64))) == 1

@@ -456,3 +456,16 @@ class FiniteChecks(nn.Module):
         if torch.isinf(h).any() or torch.isnan(h).any():
             h = torch.nan_to_num(h)
         return h.pow(2).mean()
+
+
+class ToInForward(nn.Module):
+    """Casts a submodule to the dtype it has, in forward (Switch Transformers' router does
+    ``self.classifier = self.classifier.to(self.dtype)``): eager PyTorch changes nothing."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):  # (B, d)
+        self.lin = self.lin.to(torch.float32)
+        return self.lin(x).relu().pow(2).mean()

@@ -10,8 +10,8 @@ This module remembers which storages hold only ones, or only zeros:
   with the value 1 or 0, or an input given with ``fill="ones"``
   (:class:`~memsim.tracer.spec.TensorSpec`);
 - a copy of such a tensor that keeps its values (a dtype conversion, ``clone``, an index or
-  gather from it, ``repeat``, ``expand`` copied, a nearest resize); a view shares the storage,
-  so it is known too;
+  gather from it, ``repeat``, ``expand`` copied, a nearest resize, a max pool or max/min); a
+  view shares the storage, so it is known too;
   ``all``/``any`` of it, and the logical negation of a boolean one;
 - a check that a healthy step's activations are finite: ``isfinite`` gives ones, ``isnan`` and
   ``isinf`` zeros (DETR's encoder clamps its activations ``if not torch.isfinite(h).all()``).
@@ -51,10 +51,14 @@ _KEEPS = frozenset({aten._to_copy.default, aten.clone.default, aten.index.Tensor
                     aten.view_copy.default, aten._unsafe_view.default,
                     aten.all.default, aten.all.dim, aten.all.dims, aten.any.default,
                     aten.any.dim, aten.any.dims}
-                   # nearest resizing copies values (DETR resizes its mask of ones)
+                   # nearest resizing copies values (DETR resizes its mask of ones), max
+                   # pooling and max/min reductions pick them (CANINE pools its mask of ones)
                    | {getattr(getattr(aten, f"{p}{d}d"), o) for p in (
                        "upsample_nearest", "_upsample_nearest_exact") for d in (1, 2, 3)
-                      for o in ("default", "vec")})
+                      for o in ("default", "vec")}
+                   | {aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default,
+                      aten.amax.default, aten.amin.default, aten.max.default, aten.min.default,
+                      aten.max.dim, aten.min.dim})
 # ops whose boolean result flips a known one: logical negation
 _NEGATES = frozenset({aten.logical_not.default, aten.bitwise_not.default})
 # a healthy step's checks of its activations: op -> the value of every element
@@ -179,8 +183,9 @@ class _Known:
             return
         if k in (_KEEP, _NEGATE):
             v = self.value(args[0]) if args else None
-            if v is not None and isinstance(out, torch.Tensor):
-                self.mark(out, v if k == _KEEP else 1 - v, self.why(args[0]))
+            first = out[0] if isinstance(out, tuple) and out else out   # (values, indices)
+            if v is not None and isinstance(first, torch.Tensor):
+                self.mark(first, v if k == _KEEP else 1 - v, self.why(args[0]))
             return
         for i, a in enumerate(func._schema.arguments):
             if a.alias_info is None or not a.alias_info.is_write:

@@ -423,6 +423,7 @@ def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, co
         recorder.host_device = driver.host_device if config.device == "cuda" else None
     stack.enter_context(FakeTensorMode(shape_env=recorder.shape_env, allow_non_fake_inputs=True))
     stack.enter_context(_quiet_fake_kernels())
+    stack.enter_context(_module_to_in_place())
     # with a driver the engine casts the model itself (float inputs are made in its dtype)
     stack.enter_context(fake_module(model, "cpu", None if driver is not None else low))
     stack.enter_context(optimizer_defaults_for(config.device))
@@ -434,6 +435,31 @@ def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, co
         transform(model)
     return make_inputs(specs, recorder.shape_env, hints,
                        driver.device if driver is not None else "cpu", low)
+
+
+@contextlib.contextmanager
+def _module_to_in_place():
+    """``module.to(...)`` that changes no parameter or buffer returns the module, as eager
+    PyTorch's ``_apply`` leaves such tensors as they are (``param.data = param``). On fake
+    parameters PyTorch swaps every tensor instead, which fails where the run holds a weak
+    reference to it (memsim's recorder does): Switch Transformers' router calls
+    ``self.classifier.to(self.dtype)`` in its forward."""
+    orig = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None and all(
+                (dtype is None or not (t.is_floating_point() or t.is_complex())
+                 or t.dtype == dtype) and (device is None or t.device == device)
+                for t in list(self.parameters()) + list(self.buffers())):
+            return self
+        return orig(self, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = orig
 
 
 @contextlib.contextmanager
