@@ -46,6 +46,7 @@ def test_matches_real_run(name):
     if name == "finite_checks":   # the checks of values taken to hold are in the notes
         assert sum("check that its values are finite" in n for n in report.notes) == 2, \
             report.notes
+        assert sum("assertion on tensor values" in n for n in report.notes) == 1, report.notes
 
 
 def test_other_optimizers_match():

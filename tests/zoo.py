@@ -441,7 +441,7 @@ class Layouts(nn.Module):
 class FiniteChecks(nn.Module):
     """Branches on checks of its activations' values, as Hugging Face models do in training
     (DETR's encoder: ``if not torch.isfinite(h).all(): clamp``; fp16 models: ``if
-    torch.isinf(h).any()``): a healthy step takes neither branch."""
+    torch.isinf(h).any()``): a healthy step takes neither branch. And asserts on values."""
 
     def __init__(self, d: int = 8):
         super().__init__()
@@ -450,6 +450,7 @@ class FiniteChecks(nn.Module):
 
     def forward(self, x):  # (B, S, d)
         h = self.a(x).relu()
+        assert (h >= 0).all().item(), "ReLU's output is not negative"   # ProphetNet asserts so
         if not torch.isfinite(h).all():
             h = h.clamp(-1e4, 1e4)
         h = self.b(h)

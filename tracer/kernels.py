@@ -42,10 +42,26 @@ def _local_scalar(recorder, func, args, kwargs):
         if _from_grad_scaler():
             return 0.0 if t.is_floating_point() else 0
         return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+    if args[0].dtype == torch.bool and _asserted():
+        return True
     raise DataDependentError(
         "the model reads a tensor value with .item() / bool() / int(), which a symbolic run "
         "does not have", module=recorder.module, op=str(func),
         hint="move the data-dependent branch out of forward, or give that value as a constant")
+
+
+def _asserted() -> bool:
+    """Whether the model's line reading a boolean is an ``assert`` (ProphetNet: ``assert
+    torch.all(shifted_input_ids >= 0).item()``): it holds in any run that goes on past it,
+    and the run records that it took it to hold."""
+    from .sources import model_source_stack
+    where = model_source_stack()
+    code = where.split(" (", 1)[1][:-1].lstrip() if where and " (" in where else ""
+    if not code.startswith("assert ") and not code.startswith("assert("):
+        return False
+    known.assume(f"assumed: the model's assertion on tensor values at "
+                 f"{where.split(' (', 1)[0]} holds, as in any run that goes past it")
+    return True
 
 
 @rule(Kind.ATEN, aten.constant_pad_nd.default,
