@@ -226,9 +226,9 @@ def test_norm_and_loss_rules_make_the_cpu_kernels_tensors():
         same(K._reduced_loss, A.binary_cross_entropy.default, (p.sigmoid(), y.sigmoid(), None, red))
         same(K._reduced_loss, A.soft_margin_loss.default, (p, y, red))
     one = torch.tensor(1.0)
-    same(K._contiguous_grad, A.mse_loss_backward.default, (one, p, y, 1))
-    same(K._contiguous_grad, A.smooth_l1_loss_backward.default, (one, p, y, 1, 1.0))
-    same(K._contiguous_grad, A.huber_loss_backward.default, (one, p, y, 1, 1.0))
+    same(K._contiguous_first, A.mse_loss_backward.default, (one, p, y, 1))
+    same(K._contiguous_first, A.smooth_l1_loss_backward.default, (one, p, y, 1, 1.0))
+    same(K._contiguous_first, A.huber_loss_backward.default, (one, p, y, 1, 1.0))
 
 
 def _reached(run) -> set:

@@ -212,7 +212,7 @@ def _batch_norm_backward(recorder, func, args, kwargs):
 
 
 def _cpu_layout(recorder, out, x):
-    """``out`` as the CPU batch-norm kernels allocate it (``empty_like(x,
+    """``out`` as the CPU batch- and group-norm kernels allocate it (``empty_like(x,
     x.suggest_memory_format())``): a fresh tensor in that format where the fake kernel's
     differs (same bytes: what differs is the layout, and with it whether later ops copy)."""
     if recorder.device != "cpu" or out is None:
@@ -251,23 +251,6 @@ for _op in _REDUCED_LOSSES:
              "a fresh scalar")(_reduced_loss)
 
 
-def _contiguous_grad(recorder, func, args, kwargs):
-    """``loss_backward(grad, input, target, ...)``: the kernel allocates the input's gradient
-    contiguous (``zeros_like(input, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``), where the fake kernel
-    keeps a transposed input's strides; same bytes, but later views of it copy or not (a real
-    CPU run of PatchTST's head copies it where the fake layout would not)."""
-    out = func(*args, **kwargs)
-    if isinstance(out, torch.Tensor) and not out.is_contiguous():
-        return torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    return out
-
-
-for _op in (aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default,
-            aten.huber_loss_backward.default):
-    rule(Kind.ATEN, _op, doc="the input's gradient is contiguous whatever the input's layout; "
-                             "the fake kernel keeps the input's strides")(_contiguous_grad)
-
-
 def _contiguous_first(recorder, func, args, kwargs):
     """An op whose kernel allocates its first output contiguous (layer norm's backward makes
     the input's gradient ``empty_like(X, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``; log-softmax's
@@ -286,6 +269,12 @@ for _op in (aten.native_layer_norm_backward.default, aten._log_softmax_backward_
     rule(Kind.ATEN, _op, doc="the input's gradient is contiguous whatever the incoming "
                              "gradient's layout; the fake kernel keeps its strides"
          )(_contiguous_first)
+# the regression losses' backward: ``zeros_like(input, LEGACY_CONTIGUOUS_MEMORY_FORMAT)`` (a
+# real CPU run of PatchTST's head copies it where the fake layout would not)
+for _op in (aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default,
+            aten.huber_loss_backward.default):
+    rule(Kind.ATEN, _op, doc="the input's gradient is contiguous whatever the input's layout; "
+                             "the fake kernel keeps the input's strides")(_contiguous_first)
 
 
 @rule(Kind.ATEN, aten.native_group_norm_backward.default, device="cpu",
@@ -295,10 +284,7 @@ def _group_norm_backward(recorder, func, args, kwargs):
     """``native_group_norm_backward(grad_out, x, ...)`` on the CPU."""
     grad_in, *rest = func(*args, **kwargs)
     x = args[1] if len(args) > 1 else kwargs["input"]
-    if grad_in is not None and not grad_in.is_contiguous(memory_format=_memory_format(x)):
-        grad_in = torch.empty(grad_in.shape, dtype=grad_in.dtype, device=grad_in.device,
-                              memory_format=_memory_format(x))
-    return (grad_in, *rest)
+    return (_cpu_layout(recorder, grad_in, x), *rest)
 
 
 def _functional(name: str):
