@@ -62,3 +62,17 @@ def test_zeros_pools_reductions_and_a_healthy_steps_checks():
         assert known.value(torch.isinf(h).any() | torch.isnan(h).any()) == 0
         assert known.read(finite) == 1 and len(run.assumed) == 1
         assert known.value(torch.isfinite(torch.zeros(3, dtype=torch.int64))) == 1
+        assert known.value(ones > 0) == 1 and known.value(torch.zeros(2) >= 1) == 0
+        assert known.read(ones == ones) == 1 and len(run.assumed) == 1   # known: no NaN
+
+
+def test_a_distributions_check_of_its_parameters_holds_and_is_noted():
+    """torch.distributions validates its parameters (``if not torch._is_all_true(valid)``):
+    values a symbolic run does not have; the check holds in any run that goes past it (GroupViT
+    draws Gumbel noise in training), and reading it is noted."""
+    with known.tracking() as run, FakeTensorMode(), _Observed():
+        loc, scale = torch.empty(3), torch.empty(3)
+        valid = torch._is_all_true(scale > 0)
+        assert known.value(valid) == 1 and not run.assumed
+        assert known.read(valid) == 1 and "torch.distributions" in run.assumed[0]
+        assert known.value(torch._is_all_true(torch.zeros(2, dtype=torch.bool))) == 0

@@ -12,10 +12,12 @@ This module remembers which storages hold only ones, or only zeros:
 - a copy of such a tensor that keeps its values (a dtype conversion, ``clone``, an index or
   gather from it, ``repeat``, ``expand`` copied, a nearest resize, a max pool or max/min); a
   view shares the storage, so it is known too;
-  ``all``/``any`` of it, and the logical negation of a boolean one;
+  ``all``/``any`` of it, the logical negation of a boolean one, and its comparison with a
+  number;
 - a check that a healthy step's activations are finite: ``isfinite`` gives ones, ``isnan`` and
   ``isinf`` zeros (DETR's encoder clamps its activations ``if not torch.isfinite(h).all()``).
-  A step that reads such a check's value (:func:`read`) records it as assumed (:func:`assume`);
+  A step that reads such a check's value (:func:`read`) records it as assumed (:func:`assume`),
+  as it does for ``torch._is_all_true`` (torch.distributions' check of its parameters);
 - forgotten when any op writes into the storage (an in-place op or an ``out=`` argument).
 
 Reading such a value (``.item()``, ``bool()``) gives it (:func:`value`). The recorder
@@ -29,6 +31,7 @@ model's check of its image tokens), which the report lists.
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 
 import torch
@@ -64,10 +67,18 @@ _NEGATES = frozenset({aten.logical_not.default, aten.bitwise_not.default})
 # a healthy step's checks of its activations: op -> the value of every element
 _HEALTHY = {aten.isfinite.default: 1, aten.isnan.default: 0, aten.isinf.default: 0,
             aten.isposinf.default: 0, aten.isneginf.default: 0}
+# torch.distributions' check of its parameters' constraints (``if not torch._is_all_true(valid):
+# raise``): it holds in any run that goes past it (GroupViT's Gumbel checks its Uniform's bounds)
+_ASSERTS = frozenset({aten._is_all_true.default})
 
 # torch.isfinite is composite: ``(x == x) * (x.abs() != inf)``; a healthy step's comparisons
 _SELF_COMPARE = {aten.eq.Tensor: 1, aten.ne.Tensor: 0}          # x == x (no NaN), x != x
 _INF_COMPARE = {aten.ne.Scalar: 1, aten.eq.Scalar: 0}           # x != inf, x == inf
+# a known value compared with a number: op -> the comparison (torch.distributions checks its
+# parameters' constraints so: GroupViT's Gumbel(full(0.), full(1.)) checks scale > 0)
+_SCALAR_COMPARES = {aten.gt.Scalar: operator.gt, aten.ge.Scalar: operator.ge,
+                    aten.lt.Scalar: operator.lt, aten.le.Scalar: operator.le,
+                    aten.eq.Scalar: operator.eq, aten.ne.Scalar: operator.ne}
 # ops that combine two known boolean values: op -> how
 _COMBINES = {aten.mul.Tensor: min, aten.logical_and.default: min,
              aten.bitwise_and.Tensor: min, aten.logical_or.default: max,
@@ -87,9 +98,9 @@ def _kind(func) -> int:
             k = _KEEP
         elif func in _NEGATES:
             k = _NEGATE
-        elif func in _HEALTHY:
+        elif func in _HEALTHY or func in _ASSERTS:
             k = _CHECK
-        elif func in _SELF_COMPARE or func in _INF_COMPARE:
+        elif func in _SELF_COMPARE or func in _INF_COMPARE or func in _SCALAR_COMPARES:
             k = _COMPARE
         elif func in _COMBINES:
             k = _COMBINE
@@ -159,14 +170,30 @@ class _Known:
                 self.mark(out, int(value))
             return
         if k == _CHECK:
-            if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+            if func in _ASSERTS and isinstance(out, torch.Tensor):
+                v = self.value(args[0]) if args else None
+                if v is not None:   # known: the real answer
+                    self.mark(out, int(bool(v)), self.why(args[0]))
+                else:
+                    self.mark(out, 1, _asserted_here())
+            elif isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
                 self.mark(out, _HEALTHY[func], self._healthy(args[0]))
             return
+        if k == _COMPARE and func in _SCALAR_COMPARES and len(args) >= 2 \
+                and type(args[1]) in (int, float, bool) and isinstance(out, torch.Tensor):
+            v = self.value(args[0])
+            if v is not None:   # a known value: the comparison's answer, nothing assumed
+                self.mark(out, int(_SCALAR_COMPARES[func](v, args[1])), self.why(args[0]))
+                return
         if k == _COMPARE:
             if not (isinstance(out, torch.Tensor) and len(args) >= 2
                     and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
                 return
             if func in _SELF_COMPARE and args[1] is args[0]:
+                v = self.value(args[0])
+                if v is not None:   # a known value is no NaN: nothing assumed
+                    self.mark(out, _SELF_COMPARE[func], self.why(args[0]))
+                    return
                 value = _SELF_COMPARE[func]
             elif func in _INF_COMPARE and isinstance(args[1], float) and abs(args[1]) == _INF:
                 value = _INF_COMPARE[func]
@@ -195,6 +222,14 @@ class _Known:
                 if isinstance(t, torch.Tensor):
                     self.values.pop(t.untyped_storage(), None)
                     self.because.pop(t.untyped_storage(), None)
+
+
+def _asserted_here() -> str:
+    from .sources import model_source_stack
+    where = model_source_stack()
+    at = f" at {where.split(' (', 1)[0]}" if where else ""
+    return (f"assumed: the check of values{at} holds, as in any run that goes past it "
+            "(torch.distributions checks its parameters so)")
 
 
 @contextlib.contextmanager
