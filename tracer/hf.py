@@ -226,21 +226,29 @@ def every_layer_runs(model: torch.nn.Module):
 
 
 @contextlib.contextmanager
+def _swapped(changes: list):
+    """For the run, each ``(owner, attr, new)``: ``owner.attr`` is ``new``; what ``owner``
+    held (a class's ``staticmethod`` object as such) is put back after."""
+    saved = [(owner, attr, vars(owner)[attr] if attr in vars(owner) else getattr(owner, attr))
+             for owner, attr, _ in changes]
+    for owner, attr, new in changes:
+        setattr(owner, attr, new)
+    try:
+        yield
+    finally:
+        for owner, attr, orig in saved:
+            setattr(owner, attr, orig)
+
+
 def _in_every_module(attr: str, replace):
     """For the run, ``attr`` of every loaded ``transformers`` module that has a callable one
     (each modeling file binds its own copy of a helper) becomes ``replace(original)``."""
     import sys
 
-    found = [(m, getattr(m, attr)) for name, m in list(sys.modules.items())
-             if name.startswith("transformers") and m is not None
-             and callable(getattr(m, attr, None))]
-    for m, orig in found:
-        setattr(m, attr, replace(orig))
-    try:
-        yield
-    finally:
-        for m, orig in found:
-            setattr(m, attr, orig)
+    return _swapped([(m, attr, replace(getattr(m, attr)))
+                     for name, m in list(sys.modules.items())
+                     if name.startswith("transformers") and m is not None
+                     and callable(getattr(m, attr, None))])
 
 
 def spec_augment_refused():
@@ -275,7 +283,7 @@ def checks_hold():
     Conditions that are not fake tensors are checked as Hugging Face checks them."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from .sources import model_source_stack
+    from .sources import model_line
 
     def holds(orig):
         def torch_compilable_check(cond, msg=None, error_type=ValueError):
@@ -284,10 +292,9 @@ def checks_hold():
             if not isinstance(cond, FakeTensor):
                 return orig(cond, msg, error_type)
             cond.all()
-            where = model_source_stack()
-            at = f" at {where.split(' (', 1)[0]}" if where else ""
-            known.assume(f"assumed: the model's check of its inputs' values{at} holds, as in "
-                         "any run that goes past it (a symbolic run has sizes, not values)")
+            known.assume(f"assumed: the model's check of its inputs' values{model_line()} "
+                         "holds, as in any run that goes past it (a symbolic run has sizes, "
+                         "not values)")
         return torch_compilable_check
 
     return _in_every_module("torch_compilable_check", holds)
@@ -340,18 +347,8 @@ def symbolic_lru_caches():
                 fn = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
                 if getattr(fn, "__code__", None) is code:
                     new = ours(fn)
-                    found.append((owner, attr, v, type(v)(new) if fn is not v else new))
-
-    @contextlib.contextmanager
-    def run():
-        for owner, attr, _, new in found:
-            setattr(owner, attr, new)
-        try:
-            yield
-        finally:
-            for owner, attr, orig, _ in found:
-                setattr(owner, attr, orig)
-    return run()
+                    found.append((owner, attr, type(v)(new) if fn is not v else new))
+    return _swapped(found)
 
 
 def _hashable(x):

@@ -54,13 +54,13 @@ def _asserted() -> bool:
     """Whether the model's line reading a boolean is an ``assert`` (ProphetNet: ``assert
     torch.all(shifted_input_ids >= 0).item()``): it holds in any run that goes on past it,
     and the run records that it took it to hold."""
-    from .sources import model_source_stack
-    where = model_source_stack()
-    code = where.split(" (", 1)[1][:-1].lstrip() if where and " (" in where else ""
+    from .sources import model_frame, model_line
+    fr = model_frame()
+    code = (fr.line or "").lstrip() if fr is not None else ""
     if not code.startswith("assert ") and not code.startswith("assert("):
         return False
-    known.assume(f"assumed: the model's assertion on tensor values at "
-                 f"{where.split(' (', 1)[0]} holds, as in any run that goes past it")
+    known.assume(f"assumed: the model's assertion on tensor values{model_line()} holds, as in "
+                 "any run that goes past it")
     return True
 
 
@@ -213,12 +213,16 @@ def _batch_norm_backward(recorder, func, args, kwargs):
 
 def _cpu_layout(recorder, out, x):
     """``out`` as the CPU batch- and group-norm kernels allocate it (``empty_like(x,
-    x.suggest_memory_format())``): a fresh tensor in that format where the fake kernel's
-    differs (same bytes: what differs is the layout, and with it whether later ops copy)."""
-    if recorder.device != "cpu" or out is None:
+    x.suggest_memory_format())``)."""
+    if recorder.device != "cpu":
         return out
-    fmt = _memory_format(x)
-    if out.is_contiguous(memory_format=fmt):
+    return _in_format(out, _memory_format(x))
+
+
+def _in_format(out, fmt):
+    """``out``, or a fresh tensor like it laid out in memory format ``fmt`` where ``out`` is
+    not (same bytes: what differs is the layout, and with it whether later ops copy)."""
+    if not isinstance(out, torch.Tensor) or out.is_contiguous(memory_format=fmt):
         return out
     return torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=fmt)
 
@@ -258,11 +262,9 @@ def _contiguous_first(recorder, func, args, kwargs):
     transposed gradient (Swin's final norm gets one): same bytes, but later views copy or
     not."""
     out = func(*args, **kwargs)
-    first = out[0] if isinstance(out, tuple) else out
-    if not isinstance(first, torch.Tensor) or first.is_contiguous():
-        return out
-    fresh = torch.empty(first.shape, dtype=first.dtype, device=first.device)
-    return (fresh, *out[1:]) if isinstance(out, tuple) else fresh
+    if isinstance(out, tuple):
+        return (_in_format(out[0], torch.contiguous_format), *out[1:])
+    return _in_format(out, torch.contiguous_format)
 
 
 for _op in (aten.native_layer_norm_backward.default, aten._log_softmax_backward_data.default):

@@ -12,8 +12,8 @@ This module remembers which storages hold only ones, or only zeros:
 - a copy of such a tensor that keeps its values (a dtype conversion, ``clone``, an index or
   gather from it, ``repeat``, ``expand`` copied, a nearest resize, a max pool or max/min); a
   view shares the storage, so it is known too;
-  ``all``/``any`` of it, the logical negation of a boolean one, and its comparison with a
-  number;
+- what is computed from such values: ``all``/``any``, the logical negation of a boolean one,
+  a comparison with a number, a product or logical and/or of two;
 - a check that a healthy step's activations are finite: ``isfinite`` gives ones, ``isnan`` and
   ``isinf`` zeros (DETR's encoder clamps its activations ``if not torch.isfinite(h).all()``).
   A step that reads such a check's value (:func:`read`) records it as assumed (:func:`assume`),
@@ -151,11 +151,27 @@ class _Known:
         where ``t`` is not floating: then it holds). Noted when the value is read."""
         if not (t.is_floating_point() or t.is_complex()):
             return None
-        from .sources import model_source_stack
-        where = model_source_stack()
-        at = f" at {where.split(' (', 1)[0]}" if where else ""
-        return (f"assumed: the model's check that its values are finite{at} holds, as in a "
-                "healthy step")
+        from .sources import model_line
+        return (f"assumed: the model's check that its values are finite{model_line()} holds, "
+                "as in a healthy step")
+
+    def _compare(self, func, args, out) -> None:
+        """A comparison: of a known value with a number, its answer (nothing assumed); of a
+        floating tensor with itself or with infinity, a healthy step's answer."""
+        if not (isinstance(out, torch.Tensor) and len(args) >= 2
+                and isinstance(args[0], torch.Tensor)):
+            return
+        v = self.value(args[0])
+        if func in _SCALAR_COMPARES and v is not None and type(args[1]) in (int, float, bool):
+            self.mark(out, int(_SCALAR_COMPARES[func](v, args[1])), self.why(args[0]))
+        elif not args[0].is_floating_point():
+            return
+        elif func in _SELF_COMPARE and args[1] is args[0]:
+            # x == x: no NaN; a known value has none, others are a healthy step's
+            self.mark(out, _SELF_COMPARE[func],
+                      self.why(args[0]) if v is not None else self._healthy(args[0]))
+        elif func in _INF_COMPARE and isinstance(args[1], float) and abs(args[1]) == _INF:
+            self.mark(out, _INF_COMPARE[func], self._healthy(args[0]))
 
     def observe(self, func, args, kwargs, out) -> None:
         k = _kind(func)
@@ -179,27 +195,8 @@ class _Known:
             elif isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
                 self.mark(out, _HEALTHY[func], self._healthy(args[0]))
             return
-        if k == _COMPARE and func in _SCALAR_COMPARES and len(args) >= 2 \
-                and type(args[1]) in (int, float, bool) and isinstance(out, torch.Tensor):
-            v = self.value(args[0])
-            if v is not None:   # a known value: the comparison's answer, nothing assumed
-                self.mark(out, int(_SCALAR_COMPARES[func](v, args[1])), self.why(args[0]))
-                return
         if k == _COMPARE:
-            if not (isinstance(out, torch.Tensor) and len(args) >= 2
-                    and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
-                return
-            if func in _SELF_COMPARE and args[1] is args[0]:
-                v = self.value(args[0])
-                if v is not None:   # a known value is no NaN: nothing assumed
-                    self.mark(out, _SELF_COMPARE[func], self.why(args[0]))
-                    return
-                value = _SELF_COMPARE[func]
-            elif func in _INF_COMPARE and isinstance(args[1], float) and abs(args[1]) == _INF:
-                value = _INF_COMPARE[func]
-            else:
-                return
-            self.mark(out, value, self._healthy(args[0]))
+            self._compare(func, args, out)
             return
         if k == _COMBINE:
             a, b = (self.value(x) for x in args[:2])
@@ -225,11 +222,9 @@ class _Known:
 
 
 def _asserted_here() -> str:
-    from .sources import model_source_stack
-    where = model_source_stack()
-    at = f" at {where.split(' (', 1)[0]}" if where else ""
-    return (f"assumed: the check of values{at} holds, as in any run that goes past it "
-            "(torch.distributions checks its parameters so)")
+    from .sources import model_line
+    return (f"assumed: the check of values{model_line()} holds, as in any run that goes past "
+            "it (torch.distributions checks its parameters so)")
 
 
 @contextlib.contextmanager

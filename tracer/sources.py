@@ -52,13 +52,27 @@ def model_source(tb) -> str | None:
     return best
 
 
+def model_frame(stack=None) -> traceback.FrameSummary | None:
+    """The innermost frame of model code in a ``traceback.extract_stack()`` (the current stack
+    by default), or None."""
+    for fr in reversed(stack if stack is not None else traceback.extract_stack()):
+        if is_model_file(fr.filename):
+            return fr
+    return None
+
+
 def model_source_stack(stack=None) -> str | None:
     """``file:line (code)`` of the innermost frame of model code in a
     ``traceback.extract_stack()`` (the current stack by default)."""
-    for fr in reversed(stack if stack is not None else traceback.extract_stack()):
-        if is_model_file(fr.filename):
-            return f"{os.path.abspath(fr.filename)}:{fr.lineno} ({fr.line})"
-    return None
+    fr = model_frame(stack)
+    return None if fr is None else f"{os.path.abspath(fr.filename)}:{fr.lineno} ({fr.line})"
+
+
+def model_line() -> str:
+    """`` at file:line`` of the innermost frame of model code on the current stack, or "" (a
+    note's place)."""
+    fr = model_frame(traceback.extract_stack())
+    return "" if fr is None else f" at {os.path.abspath(fr.filename)}:{fr.lineno}"
 
 
 def calling_frame(match: Callable[[str], bool], skip: int = 1) -> FrameType | None:
