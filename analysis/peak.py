@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import sympy
+from sympy.printing.pycode import PythonCodePrinter
 
 from .search import last_true
 
@@ -264,15 +265,28 @@ def exact_values(exprs: Sequence[sympy.Expr], symbols: Sequence[sympy.Symbol]) -
     integer arithmetic: ``floor``/``ceiling`` of a polynomial over an integer become integer
     divisions, so that no float is involved at any size. One code generation for a peak's
     many candidates."""
-    def div(kind):
-        def rule(x):
-            num, den = x.as_numer_denom()
-            return kind(num, den)
-        return rule
+    printer = _ExactPrinter({"fully_qualified_modules": False, "inline": True,
+                             "allow_unknown_functions": True,
+                             "user_functions": {k: k for k in _EXACT}})
+    return sympy.lambdify(list(symbols), [sympy.sympify(e) for e in exprs],
+                          modules=[_EXACT, "math"], printer=printer)
 
-    body = [sympy.sympify(e).replace(sympy.ceiling, div(_CDIV)).replace(sympy.floor, div(_FDIV))
-            for e in exprs]
-    return sympy.lambdify(list(symbols), body, modules=[_EXACT, "math"])
+
+class _ExactPrinter(PythonCodePrinter):
+    """Python code in which ``floor``/``ceiling`` of ``p/q`` are the integer divisions
+    ``fdiv(p, q)``/``cdiv(p, q)`` of its numerator and denominator. Printed, not substituted:
+    a peak's candidates are large sums, and rebuilding them around each replaced node
+    (``Expr.replace``/``xreplace``) took seconds per analysis."""
+
+    def _division(self, name: str, e) -> str:
+        num, den = e.args[0].as_numer_denom()
+        return f"{name}({self._print(num)}, {self._print(den)})"
+
+    def _print_floor(self, e) -> str:
+        return self._division("fdiv", e)
+
+    def _print_ceiling(self, e) -> str:
+        return self._division("cdiv", e)
 
 
 # torch's own integer functions (a kernel's ``//``, ``%`` or ``math.ceil(n / k)`` on sizes:
@@ -281,10 +295,6 @@ _EXACT = {"cdiv": lambda p, q: -((-p) // q), "fdiv": lambda p, q: p // q,
           "FloorDiv": lambda p, q: p // q, "CleanDiv": lambda p, q: p // q,
           "PythonMod": lambda p, q: p % q, "Mod": lambda p, q: p % q,
           "IntTrueDiv": Fraction, "CeilToInt": math.ceil, "FloorToInt": math.floor}
-
-
-_CDIV = sympy.Function("cdiv")
-_FDIV = sympy.Function("fdiv")
 
 
 def as_max(cands: Sequence[Candidate]) -> sympy.Expr:
