@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental import sym_node
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -41,6 +42,27 @@ def test_the_trace_is_the_same_without_it(family, monkeypatch):
     plain = trace(model, LM, **kw)
     assert fold.difference(fast.run, plain.run) is None
     assert (fast.ranges, fast.guards) == (plain.ranges, plain.guards)
+
+
+def test_the_trace_is_the_same_with_pytorchs_fake_cache(monkeypatch):
+    """A plain run is traced without PyTorch's cache of fake kernels' results (it is slower
+    there: memsim.tracer.step.FAKE_CACHE). With it (a driven run's), the run is the same,
+    event for event: the sliding-window mask that CUDA's attention pads and slices is not
+    cached (as ``empty_strided`` of its sizes, its storage was its span, not the padded rows).
+    The cache's keys add guards of their own (memory formats of symbolic strides): never
+    fewer."""
+    from memsim.tracer import step
+    model = _model(transformers.MistralForCausalLM,
+                   transformers.MistralConfig(sliding_window=4, **SMALL))
+    patches, limits = adapt(model, LM)
+    kw = dict(patches=patches, limits=limits, device="cuda", fold=False)
+    without = trace(model, LM, **kw)
+    monkeypatch.setattr(step, "FAKE_CACHE", True)
+    hits = FakeTensorMode.cache_hits
+    cached = trace(model, LM, **kw)
+    assert FakeTensorMode.cache_hits > hits
+    assert fold.difference(cached.run, without.run) is None
+    assert cached.ranges == without.ranges and set(without.guards) < set(cached.guards)
 
 
 def test_the_figures_are_the_same_under_fsdp2(monkeypatch):
