@@ -488,33 +488,47 @@ def _faithful_fake_cache():
     and slices, in Mistral: the whole padded rows), the cached result would hold fewer bytes
     than the kernel's. Such outputs are not cached: the op runs each time."""
     from torch._subclasses.fake_tensor import _BypassDispatchCache
-    made = FakeTensorMode._get_output_info_for_cache_entry
+    made, remade = FakeTensorMode._get_output_info_for_cache_entry, \
+        FakeTensorMode._output_from_cache_entry
+    last: list = []    # while an entry is made: the output PyTorch remakes from it
+
+    def remake(self, *args, **kwargs):
+        out = remade(self, *args, **kwargs)
+        if last:
+            last[0] = out
+        return out
 
     def checked(self, state, key, func, args, kwargs, output):
-        info = made(self, state, key, func, args, kwargs, output)
-        if info.metadata is not None and info.view_idx is None:
-            from torch._subclasses.fake_tensor import _DispatchCacheValidEntry
-            again = self._output_from_cache_entry(
-                state, _DispatchCacheValidEntry(output_infos=(info,), is_output_tuple=False),
-                key, func, args)
-            if not (_same_size(again.untyped_storage().nbytes(),
+        # PyTorch checks a new entry by remaking the output from it once (``remake``); a hit's
+        # output is not kept here (holding it would delay its release)
+        last.append(None)
+        try:
+            info = made(self, state, key, func, args, kwargs, output)
+            again = last[0]
+        finally:
+            last.clear()
+        if info.metadata is not None and info.view_idx is None and not (
+                isinstance(again, torch.Tensor)
+                and _same_size(again.untyped_storage().nbytes(),
                                output.untyped_storage().nbytes())
-                    and _same_size(again.storage_offset(), output.storage_offset())):
-                raise _BypassDispatchCache("output does not span its storage")
+                and _same_size(again.storage_offset(), output.storage_offset())):
+            raise _BypassDispatchCache("output does not span its storage")
         return info
 
     FakeTensorMode._get_output_info_for_cache_entry = checked
+    FakeTensorMode._output_from_cache_entry = remake
     try:
         yield
     finally:
         FakeTensorMode._get_output_info_for_cache_entry = made
+        FakeTensorMode._output_from_cache_entry = remade
 
 
 def _same_size(a, b) -> bool:
-    """Whether two sizes are the same expression (no guard: structurally)."""
+    """Whether two sizes are the same expression (without a guard: the same once expanded)."""
     a = a.node.expr if isinstance(a, torch.SymInt) else a
     b = b.node.expr if isinstance(b, torch.SymInt) else b
-    return a == b
+    return a == b or sympy.expand(a - b) == 0
 
 
 @contextlib.contextmanager
