@@ -48,9 +48,9 @@ def test_the_trace_is_the_same_with_pytorchs_fake_cache(monkeypatch):
     """A plain run is traced without PyTorch's cache of fake kernels' results (it is slower
     there: memsim.tracer.step.FAKE_CACHE). With it (a driven run's), the run is the same,
     event for event: the sliding-window mask that CUDA's attention pads and slices is not
-    cached (as ``empty_strided`` of its sizes, its storage was its span, not the padded rows).
-    The cache's keys add guards of their own (memory formats of symbolic strides): never
-    fewer."""
+    cached (remade as ``empty_strided``, its storage's size was another expression, with a
+    ``Max(1, ...)``, of the same value). The cache's keys add guards of their own (memory
+    formats of symbolic strides): never fewer."""
     from memsim.tracer import step
     model = _model(transformers.MistralForCausalLM,
                    transformers.MistralConfig(sliding_window=4, **SMALL))

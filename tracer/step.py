@@ -418,9 +418,10 @@ def _outside_unit(err: BaseException, model, recorder: Recorder) -> MemsimError 
 # buffers at Llama-2-7B's widths: 84%, 26.4 s with against 32.7 s without) and a driven run
 # keeps it. A loop over time steps at fixed sizes hits it too (a fitted GRU: 78%, 12-13 s with
 # against 14-16 s without), which this rule does not see. ``True``/``False`` force it either way;
-# ``python benchmarks/fake_cache.py [--deepspeed]`` times them. Where it is on, an output that
-# does not span its storage is not cached (:func:`_faithful_fake_cache`), and the run is the
-# same event for event; the cache's keys add guards of their own (tests/test_symcache.py).
+# ``python benchmarks/fake_cache.py [--deepspeed]`` times them. Where it is on, an output whose
+# remade storage is not the kernel's to the expression is not cached (:func:`_faithful_fake_cache`)
+# and the run is the same event for event; the cache's keys add guards of their own
+# (tests/test_symcache.py).
 FAKE_CACHE: bool | None = None
 
 
@@ -483,10 +484,13 @@ def _module_to_in_place():
 @contextlib.contextmanager
 def _faithful_fake_cache():
     """PyTorch's cache of fake kernels' results remakes an op's output as ``empty_strided`` of
-    its sizes and strides: a storage just large enough for them. Where a kernel's output does
-    not span its storage (a sliding-window mask that CUDA's attention pads to a multiple of 8
-    and slices, in Mistral: the whole padded rows), the cached result would hold fewer bytes
-    than the kernel's. Such outputs are not cached: the op runs each time."""
+    its sizes and strides, whose storage is the span of those: by PyTorch's formula, not the
+    kernel's. An entry is made only where the remade storage's size and offset are the
+    kernel's (the same expressions once expanded), so that a cached run is the uncached one,
+    event for event. Where they are not (CUDA attention's sliding-window mask in Mistral, padded
+    to a multiple of 8 and sliced: ``Max(1, S - Mod(S, 8) + 8)`` in the span, equal for every
+    S >= 1 but not provably so here; and any kernel whose output would not span its storage),
+    the op runs each time."""
     from torch._subclasses.fake_tensor import _BypassDispatchCache
     made, remade = FakeTensorMode._get_output_info_for_cache_entry, \
         FakeTensorMode._output_from_cache_entry
