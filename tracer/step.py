@@ -516,7 +516,7 @@ def _faithful_fake_cache():
                 and _same_size(again.untyped_storage().nbytes(),
                                output.untyped_storage().nbytes())
                 and _same_size(again.storage_offset(), output.storage_offset())):
-            raise _BypassDispatchCache("output does not span its storage")
+            raise _BypassDispatchCache("remade storage is not the kernel's")
         return info
 
     FakeTensorMode._get_output_info_for_cache_entry = checked
