@@ -133,6 +133,23 @@ def qwen3_next():
         shared_expert_intermediate_size=16))
 
 
+def longformer():
+    return T.LongformerForMaskedLM(T.LongformerConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=100, max_position_embeddings=80, attention_window=4))
+
+
+@pytest.mark.slow
+def test_longformer_matches_real_run():
+    """Longformer pads its mask of ones to a multiple of the window (zeros), makes it 0 or the
+    dtype's minimum, and asks ``(mask > 0).any().item()`` for global attention: False, from
+    the values' bounds (tracer/known.py); it counts its chunks with ``torch.div`` of sizes
+    and reads them back with ``.item()``: sizes. S = 22 is padded, S = 24 is not (its own
+    code path, traced when asked for)."""
+    report = predict(longformer, LM)
+    check(report, longformer, LM, [{"B": 3, "S": 22}, {"B": 2, "S": 24}])
+
+
 @pytest.mark.slow
 def test_qwen3_next_matches_real_run():
     """linalg.solve_triangular's meta kernel fails on symbolic sizes (a rule makes its

@@ -29,7 +29,8 @@ def test_ones_are_followed_through_copies_and_views_and_forgotten_when_written()
         assert known.all_ones(torch.full((2,), 1.0)) and known.all_ones(ones.new_ones(4))
         assert not known.all_ones(torch.full((2,), 2.0))
         assert not known.all_ones(torch.zeros(3))
-        assert not known.all_ones(mask + 0)          # arithmetic is not followed
+        assert not known.all_ones(mask + 1) and known.all_ones(mask + 0)  # shifted values
+        assert not known.all_ones(ones.exp())        # other arithmetic is not followed
         mask[:, 0] = False                           # a write through a view forgets the storage
         assert not known.all_ones(mask) and not known.all_ones(mask[:, 1:])
         given = torch.empty(2, 4)
@@ -76,3 +77,28 @@ def test_a_distributions_check_of_its_parameters_holds_and_is_noted():
         assert known.value(valid) == 1 and not run.assumed
         assert known.read(valid) == 1 and "torch.distributions" in run.assumed[0]
         assert known.value(torch._is_all_true(torch.zeros(2, dtype=torch.bool))) == 0
+
+
+def test_bounds_of_values_and_sizes_read_back():
+    """Longformer's global-attention check: a mask of ones padded with zeros, clamped, made 0
+    or the dtype's minimum by ``where``, is never > 0, though its values differ; an index
+    known all False writes nothing; indices from ``arange`` are >= 0 (Hugging Face's
+    bidirectional masks); ``torch.div`` of sizes gives a size back from ``.item()``."""
+    import torch.nn.functional as F
+    with known.tracking(), FakeTensorMode(), _Observed():
+        ones = torch.ones(2, 6, dtype=torch.long)
+        padded = F.pad(ones, (0, 2), value=0)
+        assert known.value(padded) is None
+        mask = padded.clamp(0, 1).to(torch.bool)
+        ext = torch.where(mask, torch.zeros(()), torch.scalar_tensor(-3.4e38))
+        assert known.value(ext) is None
+        ext[padded == 2] = 3.4e38                       # no element is 2: nothing written
+        assert known.value((ext > 0).flatten().any()) == 0
+        assert known.value((ext <= 0).all()) == 1 and known.value((ext < 0).any()) is None
+        idx = torch.arange(8)[None, :] + 0
+        assert known.value(idx >= 0) == 1 and known.value(idx > 0) is None
+        assert known.value(torch.ones((), dtype=torch.bool) & (idx >= 0)) == 1
+        ext[mask] = 1.0                                 # a write forgets what was known
+        assert known.value((ext > 0).any()) is None
+        n = torch.div(8, 4, rounding_mode="trunc") - 1
+        assert known.value(n) == 1 and known.value(n * 3) == 3

@@ -1,24 +1,35 @@
-"""Storages whose every element is known to be one (or zero), followed through the symbolic run.
+"""What is known of storages' values, followed through the symbolic run: every element one (or
+zero, or another number), or between two bounds.
 
 A fake tensor has no values, but some code decides its path from values that are known without
 reading them: Hugging Face's encoder-decoders (BART, Pegasus, Marian...) make their decoder's
 padding mask with ``torch.ones`` when none is given, and its sdpa mask code then drops the
 (B, 1, S, S) mask after checking ``padding_mask.all()`` (:func:`memsim.tracer.hf.all_ones_mask`).
-This module remembers which storages hold only ones, or only zeros:
+This module remembers which storages hold only one value (ones, zeros), or values between two
+bounds (``lo <= x <= hi``, both included; one value is its own bounds):
 
 - made by ``ones``/``zeros`` (and ``_like``, ``new_``), or ``full``/``full_like``/``new_full``
-  with the value 1 or 0, or an input given with ``fill="ones"``
+  or ``scalar_tensor`` with a finite number, or an input given with ``fill="ones"``
   (:class:`~memsim.tracer.spec.TensorSpec`);
 - a copy of such a tensor that keeps its values (a dtype conversion, ``clone``, an index or
   gather from it, ``repeat``, ``expand`` copied, a nearest resize, a max pool or max/min); a
   view shares the storage, so it is known too;
 - what is computed from such values: ``all``/``any``, the logical negation of a boolean one,
-  a comparison with a number, a product or logical and/or of two;
+  a comparison with a number (answered where it is the same at both bounds), a product or
+  logical and/or of two (or of one known side that decides it: ``x & 1`` is x), ``clamp``,
+  ``torch.where`` (the branch a known condition takes, else both branches' bounds), ``F.pad``
+  with a constant (its bounds widened to it), a sum with a number;
+- a range of indices (``arange`` from 0 or more): at least its start (Hugging Face's
+  bidirectional masks ask ``q_idx >= 0``);
+- sizes combined into a 0-dim tensor (``torch.div(n, k, rounding_mode="trunc") - 1``:
+  Longformer counts its chunks so): the size, which ``.item()`` gives back;
 - a check that a healthy step's activations are finite: ``isfinite`` gives ones, ``isnan`` and
   ``isinf`` zeros (DETR's encoder clamps its activations ``if not torch.isfinite(h).all()``).
   A step that reads such a check's value (:func:`read`) records it as assumed (:func:`assume`),
   as it does for ``torch._is_all_true`` (torch.distributions' check of its parameters);
-- forgotten when any op writes into the storage (an in-place op or an ``out=`` argument).
+- forgotten when any op writes into the storage (an in-place op or an ``out=`` argument),
+  except ``t[mask] = v`` with a boolean mask known all False (Longformer's
+  ``mask[mask == 2] = max``), which writes nothing.
 
 Reading such a value (``.item()``, ``bool()``) gives it (:func:`value`). The recorder
 (:class:`~memsim.tracer.recorder.Recorder`) calls :func:`observe` for each op it records, while
@@ -45,15 +56,13 @@ _MAKES = {aten.ones.default: (None, 1), aten.ones_like.default: (None, 1),
           aten.new_ones.default: (None, 1), aten.zeros.default: (None, 0),
           aten.zeros_like.default: (None, 0), aten.new_zeros.default: (None, 0),
           aten.full.default: (1, None), aten.full_like.default: (1, None),
-          aten.new_full.default: (2, None)}
+          aten.new_full.default: (2, None), aten.scalar_tensor.default: (0, None)}
 # ops whose result holds only values of their first tensor argument
 _KEEPS = frozenset({aten._to_copy.default, aten.clone.default, aten.index.Tensor,
                     aten.index_select.default, aten.gather.default, aten.repeat.default,
                     aten.expand_copy.default, aten.slice_copy.Tensor,
                     aten.select_copy.int, aten.alias_copy.default,
-                    aten.view_copy.default, aten._unsafe_view.default,
-                    aten.all.default, aten.all.dim, aten.all.dims, aten.any.default,
-                    aten.any.dim, aten.any.dims}
+                    aten.view_copy.default, aten._unsafe_view.default}
                    # nearest resizing copies values (DETR resizes its mask of ones), max
                    # pooling and max/min reductions pick them (CANINE pools its mask of ones)
                    | {getattr(getattr(aten, f"{p}{d}d"), o) for p in (
@@ -84,7 +93,26 @@ _COMBINES = {aten.mul.Tensor: min, aten.logical_and.default: min,
              aten.bitwise_and.Tensor: min, aten.logical_or.default: max,
              aten.bitwise_or.Tensor: max}
 
-_NOTHING, _MAKE, _KEEP, _WRITE, _NEGATE, _CHECK, _COMPARE, _COMBINE = range(8)
+# all/any: decided from the values (kept apart from _KEEPS: their result is a truth value)
+_TRUTHS = frozenset({aten.all.default, aten.all.dim, aten.all.dims, aten.any.default,
+                     aten.any.dim, aten.any.dims})
+# ``clamp`` of known values: op -> the names of its bounds among the arguments
+_CLAMPS = {aten.clamp.default: ("min", "max"), aten.clamp_min.default: ("min", None),
+           aten.clamp_max.default: (None, "max")}
+# ``F.pad(x, ..., value=c)``: x's values and c
+_PADS = frozenset({aten.constant_pad_nd.default})
+# a range of integers counting up from 0 or more (``arange``), and such values plus a number:
+# Hugging Face's bidirectional masks compare indices with 0
+_RANGES = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
+_SHIFTS = frozenset({aten.add.Tensor, aten.add.Scalar})
+
+# arithmetic on sizes that makes 0-dim tensors (``torch.div(n, k, rounding_mode="trunc")``,
+# then ``- 1``: Longformer counts its chunks so), read back as a size with ``.item()``
+_SIZE_OPS = {aten.div.Tensor_mode: operator.floordiv, aten.add.Tensor: operator.add,
+             aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul}
+
+_NOTHING, _MAKE, _KEEP, _WRITE, _NEGATE, _CHECK, _COMPARE, _COMBINE, _TRUTH, _CLAMP, _PICK, \
+    _PAD, _RANGE, _SHIFT, _SIZE = range(15)
 _kinds: dict = {}
 _active: "_Known | None" = None
 
@@ -104,6 +132,20 @@ def _kind(func) -> int:
             k = _COMPARE
         elif func in _COMBINES:
             k = _COMBINE
+        elif func in _TRUTHS:
+            k = _TRUTH
+        elif func in _CLAMPS:
+            k = _CLAMP
+        elif func is aten.where.self:
+            k = _PICK
+        elif func in _PADS:
+            k = _PAD
+        elif func in _RANGES:
+            k = _RANGE
+        elif func in _SHIFTS:
+            k = _SHIFT
+        elif func in _SIZE_OPS:
+            k = _SIZE
         elif any(a.alias_info is not None and a.alias_info.is_write
                  for a in func._schema.arguments):
             k = _WRITE
@@ -115,14 +157,20 @@ def _kind(func) -> int:
 
 class _Known:
     def __init__(self) -> None:
-        # storage -> the value every element holds (1 or 0)
+        # storage -> the bounds (lo, hi) of every element's value; lo == hi: the value
         self.values: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # storage -> what its value was taken to hold from (a healthy step's check), in words
         self.because: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.assumed: list[str] = []  # checks of values taken to hold, in words
+        # storage -> the size (a SymInt) a 0-dim tensor holds: ``torch.div`` of sizes
+        self.sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def mark(self, t: torch.Tensor, value: int = 1, because: str | None = None) -> None:
-        self.values[t.untyped_storage()] = value
+        self.bound(t, (value, value), because)
+
+    def bound(self, t: torch.Tensor, bounds: tuple, because: str | None = None) -> None:
+        """Every element of ``t``'s storage lies in ``bounds`` (lo, hi), both included."""
+        self.values[t.untyped_storage()] = bounds
         if because is not None:
             self.because[t.untyped_storage()] = because
         else:
@@ -137,10 +185,21 @@ class _Known:
                     return w
         return None
 
-    def value(self, t):
+    def bounds(self, t) -> tuple | None:
+        """(lo, hi) of the values in ``t``'s storage; a number is its own bounds."""
+        if type(t) in (int, float, bool):
+            return (t, t)
         if not (isinstance(t, torch.Tensor) and self.values):
             return None
         return self.values.get(t.untyped_storage())
+
+    def value(self, t):
+        if isinstance(t, torch.Tensor) and self.sizes:
+            size = self.sizes.get(t.untyped_storage())
+            if size is not None:
+                return size
+        b = self.bounds(t) if isinstance(t, torch.Tensor) else None
+        return b[0] if b is not None and b[0] == b[1] else None
 
     def holds(self, t) -> bool:
         return self.value(t) == 1
@@ -161,9 +220,17 @@ class _Known:
         if not (isinstance(out, torch.Tensor) and len(args) >= 2
                 and isinstance(args[0], torch.Tensor)):
             return
-        v = self.value(args[0])
-        if func in _SCALAR_COMPARES and v is not None and type(args[1]) in (int, float, bool):
-            self.mark(out, int(_SCALAR_COMPARES[func](v, args[1])), self.why(args[0]))
+        v, b = self.value(args[0]), self.bounds(args[0])
+        if func in _SCALAR_COMPARES and b is not None and type(args[1]) in (int, float, bool):
+            # every element's answer is the same where it is the same at both bounds (and,
+            # for ==/!=, where the number is outside them)
+            c, op = args[1], _SCALAR_COMPARES[func]
+            lo, hi = int(op(b[0], c)), int(op(b[1], c))
+            if func in (aten.eq.Scalar, aten.ne.Scalar) and b[0] != b[1]:
+                lo = hi = (int(op(c - 1 if c > b[1] else c + 1, c))
+                           if (c < b[0] or c > b[1]) else None)
+            if lo is not None and lo == hi:
+                self.mark(out, lo, self.why(args[0]))
         elif not args[0].is_floating_point():
             return
         elif func in _SELF_COMPARE and args[1] is args[0]:
@@ -177,13 +244,15 @@ class _Known:
         k = _kind(func)
         if k == _NOTHING:
             return
+        if func in _SIZE_OPS and self._size_arithmetic(func, args, kwargs, out) or k == _SIZE:
+            return
         if k == _MAKE:
             at, value = _MAKES[func]
             if at is not None:
                 value = args[at] if len(args) > at else kwargs.get("fill_value")
             if isinstance(out, torch.Tensor) and type(value) in (int, float, bool) \
-                    and value in (0, 1):
-                self.mark(out, int(value))
+                    and abs(value) != _INF and value == value:
+                self.mark(out, int(value) if value in (0, 1) else value)
             return
         if k == _CHECK:
             if func in _ASSERTS and isinstance(out, torch.Tensor):
@@ -199,17 +268,45 @@ class _Known:
             self._compare(func, args, out)
             return
         if k == _COMBINE:
-            a, b = (self.value(x) for x in args[:2])
-            if a is not None and b is not None and isinstance(out, torch.Tensor):
-                self.mark(out, _COMBINES[func](a, b), self.why(*args[:2]))
+            self._combine(func, args, out)
+            return
+        if k == _RANGE:
+            self._range(func, args, out)
             return
         if not self.values:
             return
-        if k in (_KEEP, _NEGATE):
-            v = self.value(args[0]) if args else None
+        if k in (_KEEP, _NEGATE, _TRUTH):
+            b = self.bounds(args[0]) if args and isinstance(args[0], torch.Tensor) else None
             first = out[0] if isinstance(out, tuple) and out else out   # (values, indices)
-            if v is not None and isinstance(first, torch.Tensor):
-                self.mark(first, v if k == _KEEP else 1 - v, self.why(args[0]))
+            if b is None or not isinstance(first, torch.Tensor):
+                return
+            if k == _KEEP:
+                self.bound(first, b, self.why(args[0]))
+            elif k == _NEGATE and b[0] == b[1] and b[0] in (0, 1):
+                self.mark(first, 1 - b[0], self.why(args[0]))
+            elif k == _TRUTH and (b[0] == b[1] or b[0] > 0 or b[1] < 0):
+                self.mark(first, int(b[0] != 0), self.why(args[0]))   # all zero, or none
+            return
+        if k == _CLAMP:
+            self._clamp(func, args, kwargs, out)
+            return
+        if k == _PICK:
+            self._pick(args, out)
+            return
+        if k == _PAD:
+            b = self.bounds(args[0])
+            c = args[2] if len(args) > 2 else kwargs.get("value", 0)
+            if b is not None and type(c) in (int, float) and isinstance(out, torch.Tensor):
+                self.bound(out, (min(b[0], c), max(b[1], c)), self.why(args[0]))
+            return
+        if k == _SHIFT:
+            b = self.bounds(args[0]) if isinstance(args[0], torch.Tensor) else None
+            c = args[1] if len(args) > 1 else None
+            if b is not None and type(c) in (int, float) and kwargs.get("alpha", 1) == 1 \
+                    and isinstance(out, torch.Tensor):
+                self.bound(out, (b[0] + c, b[1] + c), self.why(args[0]))
+            return
+        if func is aten.index_put_.default and self._writes_nothing(args):
             return
         for i, a in enumerate(func._schema.arguments):
             if a.alias_info is None or not a.alias_info.is_write:
@@ -219,6 +316,89 @@ class _Known:
                 if isinstance(t, torch.Tensor):
                     self.values.pop(t.untyped_storage(), None)
                     self.because.pop(t.untyped_storage(), None)
+
+
+    def _combine(self, func, args, out) -> None:
+        """A product or logical and/or: of two known 0/1 values, its value; with one side
+        known, what that side decides (``x & 1`` is x, ``x & 0`` is 0, ``x | 1`` is 1)."""
+        if not isinstance(out, torch.Tensor) or len(args) < 2:
+            return
+        a, b = (self.value(x) for x in args[:2])
+        why = self.why(*args[:2])
+        if a is not None and b is not None:
+            if a in (0, 1) and b in (0, 1):
+                self.mark(out, _COMBINES[func](a, b), why)
+            return
+        one, other = (a, args[1]) if a is not None else (b, args[0])
+        if one not in (0, 1):
+            return
+        decides = 1 if _COMBINES[func] is max else 0     # or: 1 decides; product/and: 0
+        if one == decides:
+            self.mark(out, one, why)
+        elif self.bounds(other) is not None:
+            self.bound(out, self.bounds(other), why)
+
+    def _clamp(self, func, args, kwargs, out) -> None:
+        b = self.bounds(args[0])
+        if b is None or not isinstance(out, torch.Tensor):
+            return
+        ends = [args[i + 1] if len(args) > i + 1 else kwargs.get(n) if n else None
+                for i, n in enumerate(_CLAMPS[func])]
+        if any(e is not None and type(e) not in (int, float) for e in ends):
+            return
+        lo, hi = ends
+        b = tuple(min(max(x, lo) if lo is not None else x, hi) if hi is not None else
+                  (max(x, lo) if lo is not None else x) for x in b)
+        self.bound(out, b, self.why(args[0]))
+
+    def _pick(self, args, out) -> None:
+        """``where(cond, a, b)``: the branch a known condition takes, else both's bounds."""
+        if not isinstance(out, torch.Tensor) or len(args) < 3:
+            return
+        c, a, b = self.value(args[0]), self.bounds(args[1]), self.bounds(args[2])
+        why = self.why(*args[:3])
+        if c is not None:
+            if (a if c else b) is not None:
+                self.bound(out, a if c else b, why)
+        elif a is not None and b is not None:
+            self.bound(out, (min(a[0], b[0]), max(a[1], b[1])), why)
+
+    def _range(self, func, args, out) -> None:
+        """``arange`` counting up from 0 or more: at least its start."""
+        if not isinstance(out, torch.Tensor) or out.dtype.is_floating_point:
+            return
+        start = args[0] if func is not aten.arange.default and args else 0
+        step = args[2] if func is aten.arange.start_step and len(args) > 2 else 1
+        if type(start) is int and start >= 0 and type(step) is int and step > 0:
+            self.bound(out, (start, _INF))
+
+    def _size(self, x):
+        if type(x) is int or isinstance(x, torch.SymInt):
+            return x
+        if isinstance(x, torch.Tensor) and self.sizes and x.dim() == 0:
+            return self.sizes.get(x.untyped_storage())
+        return None
+
+    def _size_arithmetic(self, func, args, kwargs, out) -> bool:
+        """Sizes combined into a 0-dim tensor: its value is theirs (trunc and floor agree on
+        sizes, which are not negative). Whether it was such arithmetic."""
+        if len(args) < 2 or not isinstance(out, torch.Tensor) or out.dim() != 0 \
+                or out.is_floating_point():
+            return False
+        a, b = self._size(args[0]), self._size(args[1])
+        if a is None or b is None or kwargs.get("alpha", 1) != 1:
+            return False
+        if func is aten.div.Tensor_mode and (kwargs.get("rounding_mode") not in ("trunc", "floor")
+                                              or (type(b) is int and b <= 0)):
+            return False
+        self.sizes[out.untyped_storage()] = _SIZE_OPS[func](a, b)
+        return True
+
+    def _writes_nothing(self, args) -> bool:
+        """``t[mask] = v`` with a boolean ``mask`` known to be all False."""
+        indices = args[1] if len(args) > 1 else ()
+        return (len(indices) == 1 and isinstance(indices[0], torch.Tensor)
+                and indices[0].dtype == torch.bool and self.value(indices[0]) == 0)
 
 
 def _asserted_here() -> str:
