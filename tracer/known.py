@@ -193,16 +193,22 @@ class _Known:
             return None
         return self.values.get(t.untyped_storage())
 
+    def exact(self, t):
+        """The one number every element of ``t``'s storage holds, or None."""
+        b = self.bounds(t) if isinstance(t, torch.Tensor) else None
+        return b[0] if b is not None and b[0] == b[1] else None
+
     def value(self, t):
+        """:meth:`exact`, or the size a 0-dim tensor holds (a SymInt: read, never compared
+        here, which would add a guard)."""
         if isinstance(t, torch.Tensor) and self.sizes:
             size = self.sizes.get(t.untyped_storage())
             if size is not None:
                 return size
-        b = self.bounds(t) if isinstance(t, torch.Tensor) else None
-        return b[0] if b is not None and b[0] == b[1] else None
+        return self.exact(t)
 
     def holds(self, t) -> bool:
-        return self.value(t) == 1
+        return self.exact(t) == 1
 
     @staticmethod
     def _healthy(t: torch.Tensor) -> str | None:
@@ -220,7 +226,7 @@ class _Known:
         if not (isinstance(out, torch.Tensor) and len(args) >= 2
                 and isinstance(args[0], torch.Tensor)):
             return
-        v, b = self.value(args[0]), self.bounds(args[0])
+        v, b = self.exact(args[0]), self.bounds(args[0])
         if func in _SCALAR_COMPARES and b is not None and type(args[1]) in (int, float, bool):
             # every element's answer is the same where it is the same at both bounds (and,
             # for ==/!=, where the number is outside them)
@@ -256,7 +262,7 @@ class _Known:
             return
         if k == _CHECK:
             if func in _ASSERTS and isinstance(out, torch.Tensor):
-                v = self.value(args[0]) if args else None
+                v = self.exact(args[0]) if args else None
                 if v is not None:   # known: the real answer
                     self.mark(out, int(bool(v)), self.why(args[0]))
                 else:
@@ -323,7 +329,7 @@ class _Known:
         known, what that side decides (``x & 1`` is x, ``x & 0`` is 0, ``x | 1`` is 1)."""
         if not isinstance(out, torch.Tensor) or len(args) < 2:
             return
-        a, b = (self.value(x) for x in args[:2])
+        a, b = (self.exact(x) for x in args[:2])
         why = self.why(*args[:2])
         if a is not None and b is not None:
             if a in (0, 1) and b in (0, 1):
@@ -355,7 +361,7 @@ class _Known:
         """``where(cond, a, b)``: the branch a known condition takes, else both's bounds."""
         if not isinstance(out, torch.Tensor) or len(args) < 3:
             return
-        c, a, b = self.value(args[0]), self.bounds(args[1]), self.bounds(args[2])
+        c, a, b = self.exact(args[0]), self.bounds(args[1]), self.bounds(args[2])
         why = self.why(*args[:3])
         if c is not None:
             if (a if c else b) is not None:
@@ -398,7 +404,7 @@ class _Known:
         """``t[mask] = v`` with a boolean ``mask`` known to be all False."""
         indices = args[1] if len(args) > 1 else ()
         return (len(indices) == 1 and isinstance(indices[0], torch.Tensor)
-                and indices[0].dtype == torch.bool and self.value(indices[0]) == 0)
+                and indices[0].dtype == torch.bool and self.exact(indices[0]) == 0)
 
 
 def _asserted_here() -> str:
