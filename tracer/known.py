@@ -113,6 +113,14 @@ _SIZE_OPS = {aten.div.Tensor_mode: operator.floordiv, aten.add.Tensor: operator.
 
 _NOTHING, _MAKE, _KEEP, _WRITE, _NEGATE, _CHECK, _COMPARE, _COMBINE, _TRUTH, _CLAMP, _PICK, \
     _PAD, _RANGE, _SHIFT, _SIZE = range(15)
+# each kind and the tables of its ops, in the order they are looked up (an op in several:
+# the first); any other op that writes into an argument is a _WRITE
+_KINDS = ((_MAKE, (_MAKES,)), (_KEEP, (_KEEPS,)), (_NEGATE, (_NEGATES,)),
+          (_CHECK, (_HEALTHY, _ASSERTS)),
+          (_COMPARE, (_SELF_COMPARE, _INF_COMPARE, _SCALAR_COMPARES)),
+          (_COMBINE, (_COMBINES,)), (_TRUTH, (_TRUTHS,)), (_CLAMP, (_CLAMPS,)),
+          (_PICK, ({aten.where.self},)), (_PAD, (_PADS,)), (_RANGE, (_RANGES,)),
+          (_SHIFT, (_SHIFTS,)), (_SIZE, (_SIZE_OPS,)))
 _kinds: dict = {}
 _active: "_Known | None" = None
 
@@ -120,37 +128,10 @@ _active: "_Known | None" = None
 def _kind(func) -> int:
     k = _kinds.get(func)
     if k is None:
-        if func in _MAKES:
-            k = _MAKE
-        elif func in _KEEPS:
-            k = _KEEP
-        elif func in _NEGATES:
-            k = _NEGATE
-        elif func in _HEALTHY or func in _ASSERTS:
-            k = _CHECK
-        elif func in _SELF_COMPARE or func in _INF_COMPARE or func in _SCALAR_COMPARES:
-            k = _COMPARE
-        elif func in _COMBINES:
-            k = _COMBINE
-        elif func in _TRUTHS:
-            k = _TRUTH
-        elif func in _CLAMPS:
-            k = _CLAMP
-        elif func is aten.where.self:
-            k = _PICK
-        elif func in _PADS:
-            k = _PAD
-        elif func in _RANGES:
-            k = _RANGE
-        elif func in _SHIFTS:
-            k = _SHIFT
-        elif func in _SIZE_OPS:
-            k = _SIZE
-        elif any(a.alias_info is not None and a.alias_info.is_write
-                 for a in func._schema.arguments):
-            k = _WRITE
-        else:
-            k = _NOTHING
+        k = next((kind for kind, tables in _KINDS if any(func in t for t in tables)), None)
+        if k is None:
+            k = _WRITE if any(a.alias_info is not None and a.alias_info.is_write
+                              for a in func._schema.arguments) else _NOTHING
         _kinds[func] = k
     return k
 
