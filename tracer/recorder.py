@@ -43,7 +43,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _patched(cls, name: str, wrap):
+def patched(cls, name: str, wrap):
+    """For the block, ``cls.name`` is ``wrap(original)``; the original is put back after."""
     orig = getattr(cls, name)
     setattr(cls, name, wrap(orig))
     try:
@@ -74,7 +75,7 @@ def real_meshes(wrap=None):
     except ImportError:
         yield
         return
-    with _patched(DeviceMesh, "__init__",
+    with patched(DeviceMesh, "__init__",
                   lambda fn: outside_fake(wrap(fn) if wrap is not None else fn)):
         yield
 
@@ -278,7 +279,7 @@ class Recorder(TorchDispatchMode):
                     recorder._paused = was
             return wrapper
 
-        with _patched(ShardingPropagator, "_propagate_tensor_meta_non_cached", pause), \
+        with patched(ShardingPropagator, "_propagate_tensor_meta_non_cached", pause), \
                 real_meshes(pause):
             yield
 
@@ -295,7 +296,7 @@ class Recorder(TorchDispatchMode):
                 return out
             return resize_
 
-        with _patched(torch.UntypedStorage, "resize_", watched):
+        with patched(torch.UntypedStorage, "resize_", watched):
             yield
 
     def sid_of(self, t: torch.Tensor) -> int | None:

@@ -55,7 +55,7 @@ from .driver import Driver
 from .functions import function_rules
 from .precision import forward_context, step_context, wrap_optimizer
 from .records import Category, LeafRecord, OpRecord, Phase, RunRecord
-from .recorder import Recorder
+from .recorder import Recorder, as_expr, patched
 from .sources import model_source
 from .spec import TensorSpec
 from .symcache import remembered
@@ -456,29 +456,24 @@ def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, co
                        driver.device if driver is not None else "cpu", low)
 
 
-@contextlib.contextmanager
 def _module_to_in_place():
     """``module.to(...)`` that changes no parameter or buffer returns the module, as eager
     PyTorch's ``_apply`` leaves such tensors as they are (``param.data = param``). On fake
     parameters PyTorch swaps every tensor instead, which fails where the run holds a weak
     reference to it (memsim's recorder does): Switch Transformers' router calls
     ``self.classifier.to(self.dtype)`` in its forward."""
-    orig = torch.nn.Module.to
+    def in_place(orig):
+        def to(self, *args, **kwargs):
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            if memory_format is None and all(
+                    (dtype is None or not (t.is_floating_point() or t.is_complex())
+                     or t.dtype == dtype) and (device is None or t.device == device)
+                    for t in list(self.parameters()) + list(self.buffers())):
+                return self
+            return orig(self, *args, **kwargs)
+        return to
 
-    def to(self, *args, **kwargs):
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if memory_format is None and all(
-                (dtype is None or not (t.is_floating_point() or t.is_complex())
-                 or t.dtype == dtype) and (device is None or t.device == device)
-                for t in list(self.parameters()) + list(self.buffers())):
-            return self
-        return orig(self, *args, **kwargs)
-
-    torch.nn.Module.to = to
-    try:
-        yield
-    finally:
-        torch.nn.Module.to = orig
+    return patched(torch.nn.Module, "to", in_place)
 
 
 @contextlib.contextmanager
@@ -492,46 +487,44 @@ def _faithful_fake_cache():
     S >= 1 but not provably so here; and any kernel whose output would not span its storage),
     the op runs each time."""
     from torch._subclasses.fake_tensor import _BypassDispatchCache
-    made, remade = FakeTensorMode._get_output_info_for_cache_entry, \
-        FakeTensorMode._output_from_cache_entry
     last: list = []    # while an entry is made: the output PyTorch remakes from it
 
-    def remake(self, *args, **kwargs):
-        out = remade(self, *args, **kwargs)
-        if last:
-            last[0] = out
-        return out
+    def remaking(remade):
+        def remake(self, *args, **kwargs):
+            out = remade(self, *args, **kwargs)
+            if last:
+                last[0] = out
+            return out
+        return remake
 
-    def checked(self, state, key, func, args, kwargs, output):
-        # PyTorch checks a new entry by remaking the output from it once (``remake``); a hit's
-        # output is not kept here (holding it would delay its release)
-        last.append(None)
-        try:
-            info = made(self, state, key, func, args, kwargs, output)
-            again = last[0]
-        finally:
-            last.clear()
-        if info.metadata is not None and info.view_idx is None and not (
-                isinstance(again, torch.Tensor)
-                and _same_size(again.untyped_storage().nbytes(),
-                               output.untyped_storage().nbytes())
-                and _same_size(again.storage_offset(), output.storage_offset())):
-            raise _BypassDispatchCache("remade storage is not the kernel's")
-        return info
+    def checking(made):
+        def checked(self, state, key, func, args, kwargs, output):
+            # PyTorch checks a new entry by remaking the output from it once (``remake``); a
+            # hit's output is not kept here (holding it would delay its release)
+            last.append(None)
+            try:
+                info = made(self, state, key, func, args, kwargs, output)
+                again = last[0]
+            finally:
+                last.clear()
+            if info.metadata is not None and info.view_idx is None and not (
+                    isinstance(again, torch.Tensor)
+                    and _same_size(again.untyped_storage().nbytes(),
+                                   output.untyped_storage().nbytes())
+                    and _same_size(again.storage_offset(), output.storage_offset())):
+                raise _BypassDispatchCache("remade storage is not the kernel's")
+            return info
+        return checked
 
-    FakeTensorMode._get_output_info_for_cache_entry = checked
-    FakeTensorMode._output_from_cache_entry = remake
-    try:
+    with patched(FakeTensorMode, "_output_from_cache_entry", remaking), \
+            patched(FakeTensorMode, "_get_output_info_for_cache_entry", checking):
         yield
-    finally:
-        FakeTensorMode._get_output_info_for_cache_entry = made
-        FakeTensorMode._output_from_cache_entry = remade
 
 
 def _same_size(a, b) -> bool:
-    """Whether two sizes are the same expression (without a guard: the same once expanded)."""
-    a = a.node.expr if isinstance(a, torch.SymInt) else a
-    b = b.node.expr if isinstance(b, torch.SymInt) else b
+    """Whether two sizes are the same expression as the recorder records them
+    (:func:`~memsim.tracer.recorder.as_expr`), or once expanded; no guard is added."""
+    a, b = as_expr(a), as_expr(b)
     return a == b or sympy.expand(a - b) == 0
 
 
