@@ -356,7 +356,9 @@ class ModuleSaved:
 
 
 def module_savings(trace: Trace, types: dict[str, str]) -> list[ModuleSaved]:
-    """Per module: activation bytes saved for backward by ops inside it (deduplicated)."""
+    """Per module: activation bytes saved for backward by ops inside it (deduplicated), the
+    largest first at the example sizes, equal ones in the model's order (``types``, from
+    ``named_modules``: layers 0, 1, 2 ... 10, not 0, 1, 10, 11, 2)."""
     acc: dict[str, list] = {}
     for s in trace.run.storages:
         if s.saved and s.category is Category.ACTIVATION and s.device == trace.device:
@@ -364,5 +366,6 @@ def module_savings(trace: Trace, types: dict[str, str]) -> list[ModuleSaved]:
                 acc.setdefault(m, []).append(charged(s, trace.device))
     hint = {sym: trace.hints[n] for n, sym in trace.symbols.items()}
     out = [ModuleSaved(p, types.get(p, ""), sympy.expand(sympy.Add(*v))) for p, v in acc.items()]
-    out.sort(key=lambda m: (-int(m.saved.xreplace(hint)), m.path))
+    order = {p: i for i, p in enumerate(types)}
+    out.sort(key=lambda m: (-int(m.saved.xreplace(hint)), order.get(m.path, len(order)), m.path))
     return out

@@ -52,3 +52,16 @@ def test_sizes_are_sympy_in_user_symbols():
     syms = set(t.symbols.values())
     for s in t.run.storages:
         assert isinstance(s.nbytes, sympy.Expr) and s.nbytes.free_symbols <= syms
+
+
+def test_equal_modules_are_listed_in_the_models_order():
+    # identical blocks save the same bytes: listed 0, 1, 2 ... 11 (the model's order),
+    # not 0, 1, 10, 11, 2 (the paths' string order)
+    from memsim.analysis import analyze
+    with torch.device("meta"):
+        m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+                                  for _ in range(12)])
+    r = analyze(m, {"input": ("float32", ["B", 8])}, device="cpu")
+    saved = {x.path: x.saved for x in r.modules}
+    same = [x.path for x in r.modules if x.path.isdigit() and x.saved == saved["1"]]
+    assert same == [str(i) for i in range(1, 12)], same   # block 0 saves less (not its input)
