@@ -11,6 +11,7 @@ import functools
 import torch
 
 from . import known
+from .recorder import swapped
 from .spec import make_spec, TensorSpec
 
 
@@ -225,27 +226,12 @@ def every_layer_runs(model: torch.nn.Module):
             setattr(owner, name, p)
 
 
-@contextlib.contextmanager
-def _swapped(changes: list):
-    """For the run, each ``(owner, attr, new)``: ``owner.attr`` is ``new``; what ``owner``
-    held (a class's ``staticmethod`` object as such) is put back after."""
-    saved = [(owner, attr, vars(owner)[attr] if attr in vars(owner) else getattr(owner, attr))
-             for owner, attr, _ in changes]
-    for owner, attr, new in changes:
-        setattr(owner, attr, new)
-    try:
-        yield
-    finally:
-        for owner, attr, orig in saved:
-            setattr(owner, attr, orig)
-
-
 def _in_every_module(attr: str, replace):
     """For the run, ``attr`` of every loaded ``transformers`` module that has a callable one
     (each modeling file binds its own copy of a helper) becomes ``replace(original)``."""
     import sys
 
-    return _swapped([(m, attr, replace(getattr(m, attr)))
+    return swapped([(m, attr, replace(getattr(m, attr)))
                      for name, m in list(sys.modules.items())
                      if name.startswith("transformers") and m is not None
                      and callable(getattr(m, attr, None))])
@@ -348,7 +334,7 @@ def symbolic_lru_caches():
                 if getattr(fn, "__code__", None) is code:
                     new = ours(fn)
                     found.append((owner, attr, type(v)(new) if fn is not v else new))
-    return _swapped(found)
+    return swapped(found)
 
 
 def _hashable(x):

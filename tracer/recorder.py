@@ -44,13 +44,34 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def patched(cls, name: str, wrap):
-    """For the block, ``cls.name`` is ``wrap(original)``; the original is put back after."""
-    orig = getattr(cls, name)
-    setattr(cls, name, wrap(orig))
+    """For the block, ``cls.name`` is ``wrap(original)`` (``getattr``'s value: a
+    staticmethod's function); after it, ``cls`` holds what it held itself (a
+    ``staticmethod`` object as such), or nothing where it inherited the attribute."""
+    own = getattr(cls, "__dict__", {}).get(name, _NOTHING)
+    setattr(cls, name, wrap(getattr(cls, name)))
     try:
         yield
     finally:
-        setattr(cls, name, orig)
+        if own is _NOTHING:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, own)
+
+
+_NOTHING = object()
+
+
+def swapped(changes):
+    """For the block, each ``(owner, attr, new)`` of ``changes``: ``owner.attr`` is ``new``
+    (:func:`patched`)."""
+    stack = contextlib.ExitStack()
+    try:
+        for owner, attr, new in changes:
+            stack.enter_context(patched(owner, attr, lambda _, new=new: new))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
 
 
 def outside_fake(fn):
