@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import sympy
 
 from memsim.tracer import MODEL_STATE, Category, InputError, OutOfRangeError, Phase, Trace
+from memsim.tracer.previous import held_items
 
 from .allocator import block_bytes
 from .peak import (Candidate, PolyBasis, as_max, exact_values, prune, regime_changes,
@@ -304,8 +305,26 @@ def depth_peak(step: StepMemory) -> DepthPeak | None:
     charge = [charged(s, dev) if s.device == dev else None for s in run.storages]
     sizes = [basis.coeffs(c) if c is not None else None for c in charge]
     starts = {a: b for a, b in f.copies}
+    # the previous step's output and loss (tracer/previous.py): alive when the step starts,
+    # released where the loop rebinds the names; the output's blocks (a KV cache) grow by what
+    # one copy of a region makes
+    born = {}
+    for i, e in enumerate(run.events):
+        if e.sign > 0:
+            born.setdefault(e.sid, i)
+    ghosts: dict[int, list] = {}
+    for _what, sids, at in held_items(run):
+        per_copy = [sid for sid in sids if any(a <= born[sid] < b for a, b in f.copies)]
+        size = sympy.Add(*[charge[sid] for sid in sids if charge[sid] is not None]) + \
+            (extra - 1) * sympy.Add(*[charge[sid] for sid in per_copy if charge[sid] is not None])
+        sizes.append(basis.coeffs(sympy.expand(size)))
+        ghosts.setdefault(run.start, []).append((1, len(sizes) - 1))
+        ghosts.setdefault(at, []).append((-1, len(sizes) - 1))
     evs, where, start = [], [], 0
     for i, e in enumerate(run.events):
+        for ev in ghosts.get(i, ()):
+            evs.append(ev)
+            where.append(i)
         if i == run.start:
             start = len(evs)
         if i in starts:
@@ -316,6 +335,9 @@ def depth_peak(step: StepMemory) -> DepthPeak | None:
             where.append(i)
         evs.append((e.sign, e.sid))
         where.append(i)
+    for ev in ghosts.get(len(run.events), ()):
+        evs.append(ev)
+        where.append(len(run.events))
     if run.start >= len(run.events):
         start = len(evs)
     label = _label(replace(trace, run=run))

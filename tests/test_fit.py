@@ -44,9 +44,14 @@ def test_python_loop_over_time_is_fitted_and_equals_real_runs():
     assert report.basis == "fitted in S" and report.ranges["S"] == (7, None)
     assert any("fitted" in n and "S=7, 14, 21" in n for n in report.notes)
     traced = set(report.fit.reports)
-    points = [{"B": 2, "S": 9}, {"B": 3, "S": 40}, {"B": 6, "S": 101}]
+    points = [{"B": 3, "S": 9}, {"B": 3, "S": 40}, {"B": 6, "S": 101}]
     _assert_fitted_equal_real(report, zoo.Scan, inputs, points)
     assert set(report.fit.reports) == traced  # answered by the fit: nothing traced again
+    # at B = 2 the peak moves between S = 7 and 28 (to forward, where the previous step's
+    # output is alive): not one quadratic, the fit misses its check, and S = 9 is traced
+    assert not report.holds(B=2) and report.holds(B=3)
+    _assert_fitted_equal_real(report, zoo.Scan, inputs, [{"B": 2, "S": 9}])
+    assert set(report.fit.reports) == traced | {9}
     # below the fit's first size: traced (exact there)
     _assert_fitted_equal_real(report, zoo.Scan, inputs, [{"B": 2, "S": 3}])
     assert 3 in report.fit.reports

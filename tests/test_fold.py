@@ -173,7 +173,9 @@ def test_the_peak_by_depth_is_exact_at_other_depths(device="cuda"):
         patches, limits = adapt(m, LM)
         whole = step_memory(trace(m, LM, patches=patches, limits=limits, device=device,
                                   fold=False))
-        for b, s in ((2, 3), (7, 128)):
+        # at B=8, S=16 the peak is in forward, with the previous step's output alive (its
+        # KV cache grows with the depth: tracer/previous.py)
+        for b, s in ((2, 3), (7, 128), (8, 16)):
             assert int(depth.peak.xreplace({B: b, S: s, depth.symbol: n})) == \
                 whole.value("peak", {"B": b, "S": s})
     assert sympy.Symbol("L", integer=True, positive=True) in depth.peak.free_symbols

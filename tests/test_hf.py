@@ -311,6 +311,29 @@ def test_dropped_outputs_match_real_run(factory):
     check(report, factory, LM, grid(B=(2, 3), S=(5, 16)), keep_outputs=False)
 
 
+def _mha_llama(cache: bool):
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=50, max_position_embeddings=128, use_cache=cache))
+
+
+def test_previous_steps_output_is_alive_until_the_loop_rebinds_it():
+    """A loop rebinds ``out`` and ``loss``: the previous step's output, with Hugging Face's KV
+    cache (``use_cache=True``, its configs' default, which training keeps), is alive until the
+    forward returns, and its loss until the new loss exists (tracer/previous.py). Here that
+    makes the peak, in forward: the prediction equals a real run whose previous step's output
+    is held so (tests/oracles/measure.py), and is above the same model's without a cache."""
+    on, off = (functools.partial(_mha_llama, c) for c in (True, False))
+    report = predict(on, LM, inference=False)
+    check(report, on, LM, grid(B=(3,), S=(40, 100)))
+    at = report.at(B=3, S=40)["train"]["peak"]
+    assert at > predict(off, LM, inference=False).at(B=3, S=40)["train"]["peak"]
+    ghosts = [s for s in report.train.trace.run.storages if s.op.startswith("<previous")]
+    assert {s.op for s in ghosts} == {"<previous output>", "<previous loss>"}
+    # logits, and per layer the cache's keys and values: 1 + 2 * 2 storages, and the loss
+    assert len(ghosts) == 1 + 2 * 2 + 1
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["dropped", "kept"])
 def test_peft_wrapped_llama_matches_real_run(keep):
     """A Llama wrapped by peft's own get_peft_model (LoRA on q_proj and v_proj, the base

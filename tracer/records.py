@@ -89,6 +89,9 @@ class Storage:
         in order of first use. A CUDA caching allocator reuses a freed block only for
         allocations on the stream it was allocated on (FSDP2's all-gather and reduce-scatter
         streams; on fake CPU tensors they are ``torch.cpu.Stream`` objects, recorded the same).
+    held : str
+        ``"output"`` or ``"loss"`` for a storage the step makes and the loop's ``out`` or
+        ``loss`` still holds at its end (:mod:`memsim.tracer.previous`), else ``""``.
     """
 
     sid: int
@@ -103,6 +106,7 @@ class Storage:
     saved_by: tuple[str, ...] = ()
     saved: bool = False
     stream: int = 0
+    held: str = ""
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from .config import StepConfig
 from .driver import Driver
 from .functions import function_rules
 from .precision import forward_context, step_context, wrap_optimizer
+from .previous import mark_held
 from .records import Category, LeafRecord, OpRecord, Phase, RunRecord
 from .recorder import Recorder, as_expr, patched
 from .sources import model_source
@@ -344,6 +345,10 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
             except RuntimeError as e:   # named while the parameters are the run's
                 raise _mixed_dtensors(e, model) or _outside_unit(e, model, recorder) or e
             record = recorder.finish()
+            if train and not driven:
+                # what the loop's names hold at the end: the next step's previous output and
+                # loss (memsim.tracer.trace adds them to the finished run)
+                mark_held(record, recorder.sid_of, held[0], held[1])
             record.specialized = list(recorder.specialized)
             record.assumed = list(tracker.assumed)
             del held
@@ -660,16 +665,20 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
     loss_fn = config.loss_fn or default_loss
     _record(stack, recorder, model, inputs, config)
     call = driver.setup(model, trainable, optimizer_factory(config))
+    # the loop the measured step runs (_driven_step): the previous step's output and loss are
+    # held until the loop rebinds the names (memsim.tracer.previous)
+    held = [None, None]
     for _ in range(driver.warmup):
-        # the loop the measured step runs (_driven_step): its output and loss held to the end
-        # of the step, then dropped as the loop rebinds them
+        out, loss = held
+        held.clear()
         out = call(**inputs, **constants)
         loss = loss_fn(out)
         if not config.keep_outputs:
             out = None
         driver.backward(loss)
         driver.step()
-        out = loss = None
+        held[:] = [out, loss]
+        del out, loss
     driver.label(recorder)
     # what the warm-up left in reference cycles is collected before the step, and the
     # collector does not run inside it (as the oracle measures it)
@@ -681,7 +690,7 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
     recorder.run.warmed = driver.warmup > 0
     recorder.run.replays = driver.replays if driver.warmup > 0 else 0
     held = _driven_step(recorder, driver, call, inputs, constants, loss_fn,
-                        config.keep_outputs)
+                        config.keep_outputs, held)
     # DeepSpeed's stage 3 gathers its persistent (small) parameters again after the optimizer
     # step, in fresh storages they keep
     _parameters_made_in_the_step(recorder, model)
@@ -707,7 +716,11 @@ def optimizer_factory(config) -> OptimizerFactory:
     return make
 
 
-def _driven_step(recorder, driver, call, inputs, constants, loss_fn, keep_outputs):
+def _driven_step(recorder, driver, call, inputs, constants, loss_fn, keep_outputs, previous):
+    """The measured step; ``previous``: a list of the last step's output and loss, emptied
+    here so that the rebinding of ``out`` and ``loss`` releases them."""
+    out, loss = previous
+    previous.clear()
     recorder.mark(Phase.ZERO_GRAD)
     recorder.mark(Phase.FORWARD)
     with _saving(recorder):

@@ -27,6 +27,7 @@ from .errors import (DataDependentError, InputError, MemsimError, Specialization
                      TraceError, UnsupportedOpError)
 from .records import Category, LeafRecord, Phase, RunRecord, Storage
 from .spec import TensorSpec, is_tensor_spec, make_spec, symbol
+from .previous import add_previous_step
 from .step import run_step
 
 # Example sizes for the symbolic run: distinct, >= 2 (0 and 1 specialize), and primes so that
@@ -165,10 +166,15 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
 
     def run(hints: dict[str, int]) -> Trace:
         if stack is not None:
-            return _folded(model, stack, specs, constants, config, hints, train=train,
-                           transform=transform, driver=driver, patches=patches)
-        return _traced(model, specs, constants, config, hints, train=train,
-                       transform=transform, driver=driver, patches=patches)
+            t = _folded(model, stack, specs, constants, config, hints, train=train,
+                        transform=transform, driver=driver, patches=patches)
+        else:
+            t = _traced(model, specs, constants, config, hints, train=train,
+                        transform=transform, driver=driver, patches=patches)
+        # the previous step's output and loss, alive until the loop rebinds the names: added
+        # to the finished run, whole or folded (a folded run's output grows with its blocks)
+        add_previous_step(t.run)
+        return t
 
     try:
         return run(hint_map)

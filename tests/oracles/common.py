@@ -48,3 +48,24 @@ class ChangeLog:
                 cur += n
                 peak = max(peak, cur)
         return peak
+
+
+def held_tensors(obj) -> list:
+    """The tensors an output holds: through dicts (a ``ModelOutput``), lists, tuples and
+    objects' attributes (a Hugging Face ``DynamicCache`` and its layers), not into modules."""
+    found, seen, todo = [], set(), [obj]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or o is None or isinstance(o, (torch.nn.Module, type, str, int,
+                                                         float, bool)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            todo.extend(o)
+        elif hasattr(o, "__dict__") and not callable(o):
+            todo.extend(vars(o).values())
+    return found

@@ -4,12 +4,12 @@ Each rank runs, in a fresh process, the steady-state training step (after warm-u
 gradients and optimizer state exist)::
 
     opt.zero_grad(set_to_none=True)
-    out = model(**inputs)
+    out = model(**inputs)        # the last step's output is released here, as a loop rebinds
     loss = loss_fn(out)          # out.loss, else out if 0-dim, else first float tensor .sum()
     loss.backward()
     opt.step()
 
-and counts live tensor storages: a ``TorchDispatchMode`` adds each new untyped storage an op
+(the last warm-up step's output and loss held until the names are rebound), and counts live tensor storages: a ``TorchDispatchMode`` adds each new untyped storage an op
 returns and a ``weakref.finalize`` on the storage subtracts it when it is released. Everything
 reachable at the start (parameters, gradients of the warm-up step, optimizer state, buffers,
 inputs, FSDP2's internal buffers, any other live tensor the garbage collector can see) is
@@ -73,7 +73,7 @@ from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from .common import ChangeLog, default_loss
+from .common import ChangeLog, default_loss, held_tensors
 
 __all__ = [
     "Plain", "FSDP2", "TP", "DeepSpeed", "RankMemory", "measure", "measure_step",
@@ -119,6 +119,7 @@ class RankMemory:
     # most bytes live at once that are not parameters, gradients or optimizer states (those
     # at the start of the step and at its end) nor `other`
     activation_peak: int = 0
+    previous: int = 0         # the last warm-up step's output and loss, alive until rebound
 
 
 @dataclass
@@ -522,12 +523,16 @@ def _resolved_optimizer(opt, params=None) -> str:
 
 
 def _one_step(model, inputs, opt, loss_fn, keep_outputs=True, counter=None, engine=None,
-              accumulate=1, autocast=None):
+              accumulate=1, autocast=None, previous=None):
     """One training step; with a DeepSpeed ``engine`` (then ``model`` and ``opt`` are it),
     ``engine.backward`` and ``engine.step``, which zeroes the gradients itself: the
     ``zero_grad`` phase is empty. ``accumulate``: micro-batches (forward, loss / accumulate,
     backward) per optimizer step; ``autocast``: a dtype for CPU autocast over forward and
-    loss."""
+    loss. ``previous``: a list holding the last step's output and loss, emptied here, so that
+    they are released where the loop rebinds ``out`` and ``loss``."""
+    out, loss = previous or (None, None)
+    if previous:
+        previous.clear()
     ph = counter.set_phase if counter is not None else (lambda _: None)
     ph("zero_grad")
     if engine is None:
@@ -614,10 +619,11 @@ def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=N
     model.train()
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
     opt = (optimizer_fn or adamw)(params)
+    held: list = []    # the last step's output and loss, released as the step rebinds them
     for _ in range(warmup):
-        out, loss = _one_step(model, inputs, opt, loss_fn, accumulate=accumulate,
-                              autocast=autocast)
-        del out, loss
+        held[:] = _one_step(model, inputs, opt, loss_fn, keep_outputs, accumulate=accumulate,
+                            autocast=autocast, previous=held)
+
     def groups():
         return [
             ("parameters", list(params) + [p for p in model.parameters() if not p.requires_grad]),
@@ -626,12 +632,14 @@ def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=N
             ("buffers", list(model.buffers())),
             ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
             ("fsdp_internal", _fsdp_internal_tensors(model)),
+            ("previous", held_tensors(held)),
             ("other", _live_tensors()),
         ]
 
     figures = _counted_step(groups, lambda c: _one_step(model, inputs, opt, loss_fn, keep_outputs,
                                                          counter=c, accumulate=accumulate,
-                                                         autocast=autocast), settle_s)
+                                                         autocast=autocast, previous=held),
+                            settle_s)
     result = RankMemory(rank=rank, world_size=world_size, **figures,
                         optimizer=_resolved_optimizer(opt))
     if crosscheck:
@@ -669,9 +677,10 @@ def measure_deepspeed_step(model: nn.Module, inputs: dict, config: dict, *, loss
                                               optimizer=optimizer, config=config)
     engine.train()
     inner = getattr(zopt, "optimizer", zopt)
+    held: list = []    # the last step's output and loss, released as the step rebinds them
     for _ in range(warmup):
-        out, loss = _one_step(engine, inputs, engine, loss_fn, engine=engine)
-        del out, loss
+        held[:] = _one_step(engine, inputs, engine, loss_fn, keep_outputs, engine=engine,
+                            previous=held)
 
     def groups():
         mparams = list(engine.module.parameters())
@@ -687,11 +696,13 @@ def measure_deepspeed_step(model: nn.Module, inputs: dict, config: dict, *, loss
             ("buffers", list(engine.module.buffers())),
             ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
             ("fsdp_internal", []),
+            ("previous", held_tensors(held)),
             ("other", _live_tensors()),
         ]
 
     figures = _counted_step(groups, lambda c: _one_step(engine, inputs, engine, loss_fn,
-                                                         keep_outputs, counter=c, engine=engine),
+                                                         keep_outputs, counter=c, engine=engine,
+                                                         previous=held),
                             settle_s)
     if getattr(zopt, "overflow", False):  # inf/NaN gradients: DeepSpeed skipped the update
         figures["other_detail"].append("deepspeed overflow: optimizer step skipped")

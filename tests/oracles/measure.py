@@ -8,13 +8,15 @@ subtracts it when a ``weakref.finalize`` on the storage fires (the method of
 The step is the plain loop, after one warm-up step so that optimizer state exists::
 
     opt.zero_grad(set_to_none=True)
-    out = model(**inputs)
-    loss = loss_fn(out)
+    out = model(**inputs)     # the previous step's output is released here
+    loss = loss_fn(out)       # the previous loss here
     loss.backward()
     opt.step()
 
-With ``keep_outputs=False`` the output is dropped once the loss is computed (only the loss is
-kept, as Hugging Face's Trainer does).
+The previous step's output and loss are those of one real forward, loss and backward run
+before the measured step, held by ``out`` and ``loss`` when it starts, as a loop that rebinds
+the names holds them. With ``keep_outputs=False`` the output is dropped once the loss is
+computed (only the loss is kept, as Hugging Face's Trainer does).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .common import ChangeLog, default_loss
+from .common import ChangeLog, default_loss, held_tensors
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,17 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
         if id(p) in reached:
             p.grad = torch.zeros_like(p)
     opt.step()
+    # the previous step's output and loss: a loop rebinds `out` and `loss`, so they are alive
+    # into the measured step until its forward returns (the output) and its loss exists (the
+    # loss); the previous step's backward has freed what autograd saved
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        prev_out = model(**inputs)
+        prev_loss = loss_fn(prev_out)
+        if accumulate > 1:
+            prev_loss = prev_loss / accumulate
+    (scaler.scale(prev_loss) if scaler is not None else prev_loss).backward()
+    if not keep_outputs:
+        prev_out = None
     c = _Counter()
     inner = opt.inner if master else opt
     states = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
@@ -312,6 +325,12 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
         for v in inputs.values():
             if isinstance(v, torch.Tensor):
                 c.add(v)
+        at_start = c.cur
+        for v in held_tensors(prev_out) + held_tensors(prev_loss):
+            c.add(v)
+        previous = c.cur - at_start   # freed by the time backward starts
+        out, loss = prev_out, prev_loss
+        del prev_out, prev_loss, v
         state = {c.token_of(t) for t in list(model.parameters())
                  + [p.grad for p in params if p.grad is not None]
                  + states + (list(opt.main_grads) if master else [])
@@ -337,7 +356,8 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
             finally:
                 for h in hooks:
                     h.remove()
-            at_backward = c.cur - before
+            at_backward = c.cur - before + previous
+            previous = 0
             if not keep_outputs:
                 del out
             # what autograd saved and still holds, without the model state, buffers and inputs
