@@ -9,8 +9,24 @@ checkpointing of every block, 49.54 GiB with op-level selective checkpointing (F
 
 memsim traces Hugging Face's Llama built from that config on the meta device (torchtitan's own
 Llama is the same architecture written differently: its rotary tables and attention call are
-not HF's) with ``FSDP(dp=8, param_dtype="bfloat16", reduce_dtype="float32")``, the output
-dropped after the loss as torchtitan's loop does, ``--device cuda``:
+not HF's) with ``FSDP(dp=8, param_dtype="bfloat16", reduce_dtype="float32")``, ``--device
+cuda``, in two loops:
+
+* ``titan``: the loop of PR #165's ``train.py`` (pytorch/torchtitan commit 83c879f, read on
+  2026-12-06): ``pred = model(input_ids)``, whose model ends ``self.output(h).float()`` (fp32
+  logits; the bf16 ones die at once), then ``F.cross_entropy(pred.flatten(0, 1),
+  labels.flatten(0, 1))``, backward and step, ``pred`` never deleted: held through the step
+  and, rebound by the next forward, alive through that forward too. Here a wrapper returns
+  Hugging Face's logits ``.float()`` and the loss is that cross-entropy; the output is kept
+  (memsim's default loop). torchtitan deletes ``pred`` before backward since June 2024 (PR
+  #391, "del logits ... to save 3.9G memory"); PR #165's loop did not. Its ``parallelize_llama.py`` shards every block with ``reshard_after_forward=layer_id
+  < n_layers - 1`` (the last block's backward comes first), then the root:
+  ``FSDP(reshard_after_forward="not-last")``;
+* ``hf-dropped``: what this benchmark compared until 2026-12-06: Hugging Face's own loss
+  (bf16 logits out, upcast inside the loss), the output dropped after the loss, every block
+  resharded.
+
+Both with:
 
 * full: ``checkpoint="blocks"`` (each decoder layer under non-reentrant ``torch.utils.checkpoint``,
   the KV cache off as Hugging Face's own gradient checkpointing sets it);
@@ -33,7 +49,7 @@ checkpointing), and so does its trace of torch's SAC with this policy (the CPU f
 kernel saved in place of the CUDA ones) on a small Llama
 (tests/test_checkpoint.py::test_selective_checkpointing_policy_real_run).
 
-    python benchmarks/torchtitan.py [--layers 32]      # about 40 s on 2 cores
+    python benchmarks/torchtitan.py [--layers 32] [--loops titan,hf-dropped]   # ~2 min, 2 cores
 """
 
 from __future__ import annotations
@@ -77,6 +93,24 @@ def _op_sac_forward(layer, *args, **kwargs):
                       context_fn=_op_sac_context, **kwargs)
 
 
+class TitanOutput(torch.nn.Module):
+    """Hugging Face's Llama with torchtitan's output (PR #165): fp32 logits, returned with the
+    labels for the loss (:func:`titan_loss`)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        # torchtitan's Llama has no KV cache
+        return self.model(input_ids=input_ids, use_cache=False).logits.float(), labels
+
+
+def titan_loss(out):
+    pred, labels = out
+    return torch.nn.functional.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
+
+
 def llama_2_7b(layers: int, op_sac: bool) -> torch.nn.Module:
     cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
                                    num_hidden_layers=layers, num_attention_heads=32,
@@ -91,17 +125,24 @@ def llama_2_7b(layers: int, op_sac: bool) -> torch.nn.Module:
     return m
 
 
-def run(plan: str, layers: int) -> tuple[float, dict, float]:
+def run(plan: str, layers: int, loop: str) -> tuple[float, dict, float]:
     from memsim.analysis.caching import AllocConf
     from memsim.analysis.reserved import replay
     from memsim.strategies import FSDP, analyze
 
     model = llama_2_7b(layers, op_sac=plan == "op-sac")
+    loop_kw = dict(keep_outputs=False) if loop == "hf-dropped" else dict(loss_fn=titan_loss)
+    if loop == "titan":
+        with torch.device("meta"):
+            model = TitanOutput(model)
     t0 = time.perf_counter()
+    # PR #165's parallelize_llama.py: every block resharded after forward but the last
+    reshard = "not-last" if loop == "titan" else True
     report = analyze(model, {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])},
-                     fsdp=FSDP(dp=8, param_dtype="bfloat16", reduce_dtype="float32"),
-                     checkpoint="blocks" if plan == "full" else None, keep_outputs=False,
-                     device="cuda", inference=False)
+                     fsdp=FSDP(dp=8, param_dtype="bfloat16", reduce_dtype="float32",
+                               reshard_after_forward=reshard),
+                     checkpoint="blocks" if plan == "full" else None,
+                     device="cuda", inference=False, **loop_kw)
     sub, pt = report.for_point({"B": 8, "S": 2048})
     peak = sub.train.value("peak", pt)
     reserved = {conf: replay(sub.train, pt, conf=AllocConf.parse(conf), workspace=CUBLAS_H100)
@@ -112,27 +153,34 @@ def run(plan: str, layers: int) -> tuple[float, dict, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--loops", default="titan,hf-dropped",
+                    help="comma-separated: titan (PR #165's loop), hf-dropped (the earlier one)")
     args = ap.parse_args()
     print(f"Llama-2-7B shape, {args.layers} layers, FSDP2 dp 8, bf16 params / fp32 reduce, "
           "B 8, S 2048, --device cuda")
     rows = []
-    print(f"{'checkpointing':<14} {'memsim GiB':>11} {'published GiB':>14} {'ratio':>7} "
-          f"{'trace s':>8}   (peak allocated / active)")
+    print(f"{'checkpointing':<14} {'loop':<11} {'memsim GiB':>11} {'published GiB':>14} "
+          f"{'ratio':>7} {'trace s':>8}   (peak allocated / active)")
     for plan in ("full", "op-sac"):
-        gib, reserved, secs = run(plan, args.layers)
-        pub = PUBLISHED[plan] if args.layers == 32 else float("nan")
-        print(f"{plan:<14} {gib:>11.2f} {pub:>14.2f} {gib / pub:>7.3f} {secs:>8.1f}")
-        rows.append((plan, reserved))
+        for loop in args.loops.split(","):
+            gib, reserved, secs = run(plan, args.layers, loop)
+            pub = PUBLISHED[plan] if args.layers == 32 else float("nan")
+            print(f"{plan:<14} {loop:<11} {gib:>11.2f} {pub:>14.2f} {gib / pub:>7.3f} "
+                  f"{secs:>8.1f}", flush=True)
+            rows.append((plan, loop, reserved))
     print()
-    print(f"{'checkpointing':<14} {'allocator':<12} {'reserved GiB':>13} {'published':>10} "
-          f"{'reserved/allocated':>19} {'published':>10} {'ratio':>7}")
-    for plan, reserved in rows:
+    print("(allocated: the replay's max_memory_allocated, whole unsplit blocks counted)")
+    print(f"{'checkpointing':<14} {'loop':<11} {'allocator':<12} {'allocated GiB':>14} "
+          f"{'reserved GiB':>13} {'published':>10} {'reserved/allocated':>19} {'published':>10} "
+          f"{'ratio':>7}")
+    for plan, loop, reserved in rows:
         pub_r = RESERVED[plan] if args.layers == 32 else float("nan")
         pub_ratio = pub_r / PUBLISHED[plan]
         for conf, r in reserved.items():
             ratio = r.reserved / r.allocated
-            print(f"{plan:<14} {'expandable' if conf else 'default':<12} {r.reserved / GIB:>13.2f} "
-                  f"{pub_r:>10.2f} {ratio:>19.3f} {pub_ratio:>10.3f} {ratio / pub_ratio:>7.3f}")
+            print(f"{plan:<14} {loop:<11} {'expandable' if conf else 'default':<12} "
+                  f"{r.allocated / GIB:>14.2f} {r.reserved / GIB:>13.2f} {pub_r:>10.2f} "
+                  f"{ratio:>19.3f} {pub_ratio:>10.3f} {ratio / pub_ratio:>7.3f}")
 
 
 if __name__ == "__main__":

@@ -128,6 +128,9 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard over --dp ranks")
     p.add_argument("--no-reshard", action="store_true",
                    help="FSDP2 reshard_after_forward=False (ZeRO-2-like)")
+    p.add_argument("--reshard-not-last", action="store_true",
+                   help="FSDP2 reshard_after_forward for every unit but the last, whose "
+                        "backward comes first (torchtitan's default policy)")
     p.add_argument("--param-dtype", metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy "
                    "param_dtype: the dtype parameters are all-gathered and computed in (bf16, "
                    "fp16, fp32)")
@@ -260,10 +263,14 @@ def _strategy(args) -> dict:
     if modes and dp is None:
         raise UsageError(f"--{modes[0]} needs --dp N", hint="the number of data-parallel ranks")
     if args.fsdp:
-        kw["fsdp"] = FSDP(dp=dp, reshard_after_forward=not args.no_reshard,
+        if args.no_reshard and args.reshard_not_last:
+            raise UsageError("--no-reshard and --reshard-not-last contradict each other",
+                             hint="give one of them")
+        kw["fsdp"] = FSDP(dp=dp, reshard_after_forward="not-last" if args.reshard_not_last
+                          else not args.no_reshard,
                           param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
     else:
-        for flag in ("no_reshard", "param_dtype", "reduce_dtype"):
+        for flag in ("no_reshard", "reshard_not_last", "param_dtype", "reduce_dtype"):
             if getattr(args, flag):
                 raise UsageError(f"--{flag.replace('_', '-')} is an FSDP option",
                                  hint="add --fsdp --dp N")

@@ -366,8 +366,10 @@ def strategy_text(st: dict) -> str:
     parts = []
     if "fsdp" in st:
         f = st["fsdp"]
-        parts.append(f"FSDP2 dp={f['dp']} (" + ("reshard after forward" if
-                     f["reshard_after_forward"] else "no reshard after forward") + ")")
+        raf = f["reshard_after_forward"]
+        parts.append(f"FSDP2 dp={f['dp']} (" + (
+            "reshard after forward but the last unit" if raf == "not-last"
+            else "reshard after forward" if raf else "no reshard after forward") + ")")
     if "zero" in st:
         z = st["zero"]
         off = "cpu" in (z.get("offload_optimizer"), z.get("offload_param"))

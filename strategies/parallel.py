@@ -102,9 +102,12 @@ class TensorParallel(Strategy):
 class FSDP(Strategy):
     """FSDP2 (``fully_shard``) over ``dp`` ranks.
 
-    reshard_after_forward : bool
+    reshard_after_forward : bool or "not-last"
         True frees each unit's unsharded parameters after its forward and gathers them again in
-        backward (ZeRO-3-like); False keeps them to the end of backward (ZeRO-2-like).
+        backward (ZeRO-3-like); False keeps them to the end of backward (ZeRO-2-like);
+        ``"not-last"`` is True for every unit but the last, whose backward comes first
+        (torchtitan's default policy: ``reshard_after_forward = layer_id < n_layers - 1``), and
+        True for the root.
     units : "blocks" or tuple of str
         The modules wrapped with their own ``fully_shard`` (then the root): ``"blocks"`` (see
         :func:`fsdp_units`) or module paths.
@@ -114,7 +117,7 @@ class FSDP(Strategy):
 
     key: ClassVar[str] = "fsdp"
     dp: int
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | str = True
     units: str | tuple[str, ...] = "blocks"
     param_dtype: str | None = None
     reduce_dtype: str | None = None
@@ -124,6 +127,11 @@ class FSDP(Strategy):
             raise StrategyError(f"FSDP dp={self.dp!r} must be an int >= 1")
         if isinstance(self.units, list):
             object.__setattr__(self, "units", tuple(self.units))
+        if self.reshard_after_forward not in (True, False, "not-last"):
+            raise StrategyError(
+                f"FSDP reshard_after_forward={self.reshard_after_forward!r} must be True, "
+                "False or 'not-last'",
+                hint="'not-last' reshards every unit but the last (torchtitan's default)")
         for k in ("param_dtype", "reduce_dtype"):
             name = _DTYPE_ALIASES.get(getattr(self, k), getattr(self, k))
             object.__setattr__(self, k, name)
@@ -664,9 +672,13 @@ def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
     if fsdp.param_dtype or fsdp.reduce_dtype:
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=_dtype(fsdp.param_dtype), reduce_dtype=_dtype(fsdp.reduce_dtype))
+    policy = fsdp.reshard_after_forward
+    last = units[-1] if units and policy == "not-last" else None   # in the model's order
     for u in _inner_first(units):
-        fully_shard(mods[u], mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **kw)
-    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward, **kw)
+        fully_shard(mods[u], mesh=mesh,
+                    reshard_after_forward=u != last if policy == "not-last" else policy, **kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if policy == "not-last" else policy,
+                **kw)
 
 
 def _inner_first(units: list[str]) -> list[str]:

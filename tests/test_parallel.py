@@ -10,6 +10,7 @@ import oracles.dist as O
 import zoo
 from memsim.strategies import DDP, FSDP, LoRA, TensorParallel
 from memsim.strategies.api import analyze
+from memsim.render import strategy_text
 from memsim.strategies.parallel import tp_plan
 from memsim.tracer import StrategyError
 from oracle import figures
@@ -68,6 +69,21 @@ def test_fsdp2_llama_matches_real_gloo_run():
                              functools.partial(O.llama_inputs, batch=b, seq=s), O.FSDP2(),
                              {"B": b, "S": s})
         assert got == want
+
+
+@pytest.mark.slow
+def test_fsdp2_reshard_but_the_last_unit_matches_real_gloo_run():
+    """torchtitan's default policy: every block resharded after forward but the last, whose
+    backward comes first (its unsharded parameters are kept from forward to backward)."""
+    report = _predict(O.llama_model, LM, fsdp=FSDP(2, reshard_after_forward="not-last"))
+    b, s = 4, 32   # (at 2 x 16 the peak, at a reduce-scatter, is the same either way)
+    got, want = _compare(report, O.llama_model,
+                         functools.partial(O.llama_inputs, batch=b, seq=s),
+                         O.FSDP2(reshard_after_forward="not-last"), {"B": b, "S": s})
+    assert got == want
+    every = _predict(O.llama_model, LM, fsdp=FSDP(2)).at(B=b, S=s)["train"]["peak"]
+    assert got > every   # the last block's unsharded parameters, alive at the peak
+    assert "but the last unit" in strategy_text(report.strategy)
 
 
 @pytest.mark.slow

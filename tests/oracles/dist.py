@@ -138,7 +138,8 @@ class FSDP2:
     """
 
     blocks: Sequence[str] | Callable[[str, nn.Module], bool] | None = None
-    reshard_after_forward: bool = True
+    # or "not-last": every block but the last (torchtitan's train.py), the root True
+    reshard_after_forward: bool | str = True
     mp_policy: Any = None  # torch.distributed.fsdp.MixedPrecisionPolicy, off by default
 
 
@@ -798,6 +799,12 @@ def _apply_fsdp2(model: nn.Module, mesh, s: FSDP2) -> nn.Module:
         paths = [n for n, m in model.named_modules() if n and s.blocks(n, m)]
     else:
         paths = list(s.blocks)
+    if s.reshard_after_forward == "not-last":
+        for i, p in enumerate(paths):
+            fully_shard(model.get_submodule(p), **{**kw, "reshard_after_forward":
+                                                   i < len(paths) - 1})
+        fully_shard(model, **{**kw, "reshard_after_forward": True})
+        return model
     for p in paths:
         fully_shard(model.get_submodule(p), **kw)
     fully_shard(model, **kw)
