@@ -1,0 +1,69 @@
+"""What the previous step's output adds at real widths (tracer/previous.py).
+
+A training loop rebinds ``out`` and ``loss``, so the previous step's output (logits, and a
+Hugging Face model's KV cache while ``use_cache`` is on, the default of its configs) is alive
+through the next ``zero_grad`` and forward. memsim models it since 2026-12-06. This prints
+memsim's default loop (the output kept) with and without it (the second by turning
+``memsim.tracer.trace.add_previous_step`` off in this process), modelling CUDA on one device,
+for GPT-2 124M (fp32) and a Llama-2-7B (bf16-mixed; the cache is bf16 under autocast), both
+from their configs on meta, with Hugging Face's defaults. Run on demand (about a minute on 2
+cores)::
+
+    python benchmarks/previous_output.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from memsim.analysis import analyze  # noqa: E402
+
+GIB = 2**30
+LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
+
+
+def gpt2():
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config())
+
+
+def llama2_7b():
+    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
+                                   num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=32, vocab_size=32000,
+                                   max_position_embeddings=4096)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg)
+
+
+CASES = [("GPT-2 124M, fp32", gpt2, {}, [(2, 1024), (8, 1024)]),
+         ("Llama-2-7B, bf16-mixed", llama2_7b, {"precision": "bf16-mixed"},
+          [(2, 2048), (8, 2048), (4, 4096)])]
+
+
+def main() -> None:
+    module = sys.modules["memsim.tracer.trace"]
+    add = module.add_previous_step
+    print(f"{'model':<24} {'point':<14} {'without':>12} {'with':>12} {'change':>8}")
+    try:
+        for name, build, kw, points in CASES:
+            got = {}
+            for on in (False, True):
+                module.add_previous_step = add if on else (lambda run: None)
+                report = analyze(build(), LM, device="cuda", inference=False, **kw)
+                got[on] = [report.at(B=b, S=s)["train"]["peak"] for b, s in points]
+            for (b, s), off, on in zip(points, got[False], got[True]):
+                print(f"{name:<24} {f'B={b}, S={s}':<14} {off / GIB:>8.2f} GiB {on / GIB:>8.2f} GiB "
+                      f"{100 * (on - off) / off:>+7.2f}%", flush=True)
+    finally:
+        module.add_previous_step = add
+
+
+if __name__ == "__main__":
+    main()
