@@ -101,8 +101,8 @@ def add_previous_step(run: RunRecord) -> None:
     """Give ``run`` the previous step's output and loss (module docstring), from the storages
     flagged :attr:`Storage.held` (which a folded run's copies of the blocks keep)."""
     items = held_items(run)
-    if not items:
-        return
+    if not items or any(s.op.startswith("<previous ") for s in run.storages):
+        return   # nothing held, or added already
     born = _time(run, run.start)
     plus, frees = [], []
     for what, sids, at in items:

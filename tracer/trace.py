@@ -25,9 +25,9 @@ from .driver import Driver
 from . import fold, progress
 from .errors import (DataDependentError, InputError, MemsimError, SpecializationError,
                      TraceError, UnsupportedOpError)
+from .previous import add_previous_step
 from .records import Category, LeafRecord, Phase, RunRecord, Storage
 from .spec import TensorSpec, is_tensor_spec, make_spec, symbol
-from .previous import add_previous_step
 from .step import run_step
 
 # Example sizes for the symbolic run: distinct, >= 2 (0 and 1 specialize), and primes so that
