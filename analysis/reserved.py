@@ -7,20 +7,22 @@ What is replayed, at one point (every symbol given a size):
 2. the first step: the traced step's allocations and frees in order, with PyTorch's cuBLAS
    workspace taken at its start (it stays for the job), the optimizer state made when the
    optimizer first runs (``torch.optim`` creates it lazily, per parameter, in order);
-3. what the first step leaves that the next one makes again (its outputs, the loss) is dropped
-   as the loop rebinds them, and the step is replayed again: the steady-state step, whose
-   frees of the previous step's gradients (``zero_grad``) free those the first step made.
+3. the steady-state step, replayed again: what the first step leaves that the next one makes
+   again is freed where the step frees its own (the previous step's output and loss as the
+   loop rebinds them, its gradients at ``zero_grad``), else at its start; then again, until
+   a walk changes no figure (at most :data:`STEADY_WALKS` steady walks: the previous step's
+   output, alive into the next forward, moves blocks for a few steps).
 
 A library's loop whose warm-up steps were traced (DeepSpeed's engine) is replayed as traced,
-warm-up included. Each storage is one request of its exact byte size on the stream it was
-made on (:attr:`memsim.tracer.Storage.stream`).
+warm-up included, then its steady step the same way. Each storage is one request of its exact
+byte size on the stream it was made on (:attr:`memsim.tracer.Storage.stream`).
 
-What it returns is ``torch.cuda.max_memory_reserved()`` after those two steps, the allocator's
-``max_memory_allocated()`` (whole blocks as handed out: a large block whose remainder is at
-most 1 MiB is not split), and, at the moment the steady step's allocated peak is reached, the
-reserved bytes and the largest cached free block. Reserved memory only grows while nothing is
-released, so the figure after the second step is the steady state's unless the cache had to
-be released (then :attr:`Reserved.retries` says so).
+What it returns is ``torch.cuda.max_memory_reserved()`` over those steps, the allocator's
+``max_memory_allocated()`` over the steady steps (whole blocks as handed out: a large block
+whose remainder is at most 1 MiB is not split), and, at the moment that peak is first reached,
+the reserved bytes and the largest cached free block. Reserved memory only grows while nothing
+is released, so the figure once the walks settle is the steady state's unless the cache had
+to be released (then :attr:`Reserved.retries` says so).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ class Reserved:
     Attributes
     ----------
     reserved : int
-        ``max_memory_reserved`` over the first and the steady step.
+        ``max_memory_reserved`` over the first and the steady steps.
     allocated : int
-        ``max_memory_allocated`` as the allocator counts it (blocks handed out), steady step.
+        ``max_memory_allocated`` as the allocator counts it (blocks handed out), over the
+        steady steps: the step is walked again until a walk changes no figure (at most
+        ``STEADY_WALKS``).
     reserved_at_peak, largest_free_at_peak : int
-        Reserved bytes and the largest cached free block when the steady step's allocated
-        peak is reached.
+        Reserved bytes and the largest cached free block when that allocated peak is first
+        reached.
     workspace : int
         Bytes of the cuBLAS workspace included.
     segments : int
@@ -160,6 +164,24 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
             if ("s", key[1]) not in held:
                 held[("s", key[1])] = held.pop(key)
 
+    def figures() -> tuple:
+        return state["peak"], state["at_peak"], alloc.peak_reserved, alloc.reserved
+
+    def settle() -> None:
+        """Walk the steady step again until a walk changes none of the figures, as a long run's
+        counters see them (the most allocated over the steps, the reserved bytes and largest
+        free block when it was first reached, the most reserved), at most
+        :data:`STEADY_WALKS` steady walks in all. The previous step's output, alive into the
+        next forward, moves blocks for a few steps (``python benchmarks/replay_walks.py``)."""
+        last = figures()
+        for _ in range(STEADY_WALKS - 1):
+            if record is not None:
+                record.clear()
+            again(measure=True)
+            if figures() == last:
+                return
+            last = figures()
+
     live0 = _live_at(run, run.start)
     try:
         if run.warmed:  # warm-up steps traced: the measured step follows them in the run
@@ -169,6 +191,7 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
                         before=None if run.replays else steady)
             for k in range(run.replays):
                 again(measure=k == run.replays - 1)
+            settle()
         else:
             states = {sid for sid in live0 if run.storages[sid].category in
                       (Category.OPTIMIZER_STATE, Category.GRADIENT)}
@@ -190,6 +213,7 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
                         {}, before=first, absent={("s", sid) for sid in states
                                           if run.storages[sid].category is Category.GRADIENT})
             again(measure=True)
+            settle()
     except AllocatorOOM as e:
         return Reserved(alloc.peak_reserved, alloc.peak_allocated, alloc.reserved,
                         alloc.largest_free(), workspace, alloc.segments, alloc.retries,
@@ -198,6 +222,10 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
     return Reserved(alloc.peak_reserved, state["peak"] if state["peak"] >= 0 else
                     alloc.peak_allocated, r_at, free_at, workspace, alloc.segments,
                     alloc.retries, None, conf)
+
+
+# the most steady steps the replay walks while its figures still change (:func:`replay`)
+STEADY_WALKS = 6
 
 
 def walk_events(run, start, nbytes, take, drop, name, added, moved, keep, renamed, *,

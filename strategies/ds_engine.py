@@ -179,15 +179,13 @@ class DeepSpeedDriver(Driver):
     # completes it at the start of the second (reset_step, a forward pre-hook of the root),
     # which prefetches as every later step does: the step after one warm-up step has the same
     # bytes as after two (all of tests/test_zero.py; a step traced before the trace completes
-    # fails 11 of its 19 tests). One warm-up step is traced. Modelling CUDA, the caching
-    # allocator replay (analysis/reserved.py) starts from the traced history: after one
-    # warm-up step its reserved and allocated bytes are already those after two, three or
-    # four, but the reserved bytes and the largest free block when the peak is reached are
-    # not yet, so the replay walks the measured step once more before the one it measures
-    # (``replays``), which gives every figure of two traced warm-ups
-    # (benchmarks/ds_warmups.py: 2 of Llama-2-7B's layers, bf16, 8 ranks; at B = 2, S = 512
-    # reserved 6,012,534,784 B after each; at the peak 5,039,456,256 after one, 6,012,534,784
-    # after two to four and after one with the replay; at B = 4, S = 2048 every count agrees).
+    # fails 11 of its 19 tests). One warm-up step is traced, its output and loss held into the
+    # measured step until the loop rebinds them. Modelling CUDA, the caching allocator replay
+    # (analysis/reserved.py) starts from the traced history, walks the measured step once more
+    # (``replays``), then again until a walk changes no figure; every figure then equals that
+    # of two traced warm-ups (benchmarks/ds_warmups.py: 2 of Llama-2-7B's layers, bf16, 8
+    # ranks; at B = 2, S = 512 reserved 6,985,613,312 B and 6,012,534,784 at the peak after
+    # one, after one with the replay, and after two; at B = 4, S = 2048 every count agrees).
     warmup = 1
     replays = 0
     host_device = torch.device("cpu")
