@@ -148,9 +148,9 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
 
     def again(measure: bool) -> None:
         """The measured step once more, from what the last walk left: the blocks of what
-        the step frees at its start are the ones the last walk made in their place
-        (:func:`_carry_over`); what else it made is dropped (the previous step's outputs and
-        loss, rebound by the loop)."""
+        the step frees (the previous step's gradients, output and loss) are the ones the last
+        walk made in their place (:func:`_carry_over`); what else it made and still holds is
+        dropped at the start."""
         alias = _carry_over(run, live0, held, nbytes, made_in_step)
         for key in [k for k in held if k[0] == "s"
                     and k not in alias.values() and made_in_step(k[1])]:
