@@ -22,6 +22,7 @@ import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from fold_check import llama  # noqa: E402  (this folder: Llama-2-7B's widths, N layers)
 from memsim.analysis import analyze  # noqa: E402
 
 GIB = 2**30
@@ -33,17 +34,8 @@ def gpt2():
         return transformers.GPT2LMHeadModel(transformers.GPT2Config())
 
 
-def llama2_7b():
-    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
-                                   num_hidden_layers=32, num_attention_heads=32,
-                                   num_key_value_heads=32, vocab_size=32000,
-                                   max_position_embeddings=4096)
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(cfg)
-
-
 CASES = [("GPT-2 124M, fp32", gpt2, {}, [(2, 1024), (8, 1024)]),
-         ("Llama-2-7B, bf16-mixed", llama2_7b, {"precision": "bf16-mixed"},
+         ("Llama-2-7B, bf16-mixed", lambda: llama(32), {"precision": "bf16-mixed"},
           [(2, 2048), (8, 2048), (4, 4096)])]
 
 

@@ -20,11 +20,9 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-import transformers
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from fold_check import llama  # noqa: E402  (this folder: Llama-2-7B's widths, N layers)
 from memsim.analysis import reserved as R  # noqa: E402
 from memsim.analysis.reserved import replay  # noqa: E402
 from memsim.strategies import ZeRO  # noqa: E402
@@ -32,15 +30,6 @@ from memsim.strategies.api import analyze  # noqa: E402
 
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
 POINTS = ({"B": 2, "S": 512}, {"B": 4, "S": 2048})
-
-
-def llama():
-    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
-                                   num_attention_heads=32, num_key_value_heads=32,
-                                   vocab_size=32000, max_position_embeddings=4096,
-                                   num_hidden_layers=2)
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(cfg)
 
 
 def main() -> None:
@@ -56,7 +45,7 @@ def main() -> None:
           f"{'reserved@peak':>15} {'largest free':>13}")
     try:
         for name, kw in cases:
-            report = analyze(llama(), LM, device="cuda", inference=False, **kw)
+            report = analyze(llama(2), LM, device="cuda", inference=False, **kw)
             for pt in POINTS:
                 sub, at = report.for_point(pt)
                 for walks in (1, 2, 3, 4, 6):
