@@ -51,8 +51,8 @@ def main() -> None:
                 report = analyze(build(), LM, device="cuda", inference=False, **kw)
                 got[on] = [report.at(B=b, S=s)["train"]["peak"] for b, s in points]
             for (b, s), off, on in zip(points, got[False], got[True]):
-                print(f"{name:<24} {f'B={b}, S={s}':<14} {off / GIB:>8.2f} GiB {on / GIB:>8.2f} GiB "
-                      f"{100 * (on - off) / off:>+7.2f}%", flush=True)
+                print(f"{name:<24} {f'B={b}, S={s}':<14} {off / GIB:>8.2f} GiB "
+                      f"{on / GIB:>8.2f} GiB {100 * (on - off) / off:>+7.2f}%", flush=True)
     finally:
         module.add_previous_step = add
 

@@ -19,8 +19,9 @@ cuda``, in two loops:
   and, rebound by the next forward, alive through that forward too. Here a wrapper returns
   Hugging Face's logits ``.float()`` and the loss is that cross-entropy; the output is kept
   (memsim's default loop). torchtitan deletes ``pred`` before backward since June 2024 (PR
-  #391, "del logits ... to save 3.9G memory"); PR #165's loop did not. Its ``parallelize_llama.py`` shards every block with ``reshard_after_forward=layer_id
-  < n_layers - 1`` (the last block's backward comes first), then the root:
+  #391, "del logits ... to save 3.9G memory"); PR #165's loop did not. Its
+  ``parallelize_llama.py`` shards every block with ``reshard_after_forward=layer_id <
+  n_layers - 1`` (the last block's backward comes first), then the root:
   ``FSDP(reshard_after_forward="not-last")``;
 * ``hf-dropped``: what this benchmark compared until 2026-12-06: Hugging Face's own loss
   (bf16 logits out, upcast inside the loss), the output dropped after the loss, every block

@@ -9,8 +9,9 @@ gradients and optimizer state exist)::
     loss.backward()
     opt.step()
 
-(the last warm-up step's output and loss held until the names are rebound), and counts live tensor storages: a ``TorchDispatchMode`` adds each new untyped storage an op
-returns and a ``weakref.finalize`` on the storage subtracts it when it is released. Everything
+(the last warm-up step's output and loss held until the names are rebound), and counts live
+tensor storages: a ``TorchDispatchMode`` adds each new untyped storage an op returns and a
+``weakref.finalize`` on the storage subtracts it when it is released. Everything
 reachable at the start (parameters, gradients of the warm-up step, optimizer state, buffers,
 inputs, FSDP2's internal buffers, any other live tensor the garbage collector can see) is
 registered before ``zero_grad``. The peak is the maximum of live bytes during the step.
