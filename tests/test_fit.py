@@ -74,11 +74,19 @@ def test_fit_windows_move_past_a_piece_and_other_example_sizes():
 def test_gru_is_fitted_in_time_and_equals_real_runs():
     """nn.GRU on CPU: PyTorch's C++ loop read the batch size; issued from Python
     (tracer/functions.py) B stays symbolic, and the loop over time steps pins S, which is
-    fitted. At untraced sizes inside and past the fit, equal to real runs."""
+    fitted. At untraced sizes inside and past the fit, equal to real runs. Example sizes where
+    the activations' piece of the peak holds from the first window (B = 64, S = 4: four short
+    traces; the window moving up is the scan test's)."""
     inputs = {"x": ("int64", ["B", "S"])}
-    report = predict(zoo.GRULM, inputs, inference=False)
+    report = predict(zoo.GRULM, inputs, inference=False, hints={"B": 64, "S": 4})
     assert report.fit.symbol == "S" and set(report.symbols) == {"B", "S"}
-    _assert_fitted_equal_real(report, zoo.GRULM, inputs, [{"B": 5, "S": 33}, {"B": 3, "S": 9}])
+    assert (report.fit.sizes, report.fit.check) == ((4, 8, 12), 16)
+    traced = set(report.fit.reports)
+    _assert_fitted_equal_real(report, zoo.GRULM, inputs, [{"B": 64, "S": 10}, {"B": 70, "S": 30}])
+    assert set(report.fit.reports) == traced  # answered by the fit: nothing traced again
+    # at B = 3 the optimizer step's piece holds at S = 4: the fit misses, S = 9 is traced
+    assert not report.holds(B=3)
+    _assert_fitted_equal_real(report, zoo.GRULM, inputs, [{"B": 3, "S": 9}])
 
 
 @pytest.mark.slow
