@@ -23,6 +23,12 @@ cuda``, in two loops:
   ``parallelize_llama.py`` shards every block with ``reshard_after_forward=layer_id <
   n_layers - 1`` (the last block's backward comes first), then the root:
   ``FSDP(reshard_after_forward="not-last")``;
+* ``titan-model`` (with ``--titan-checkout DIR``, a clone of pytorch/torchtitan at commit
+  83c879f; not run otherwise): the ``titan`` loop over torchtitan's own Llama, loaded from
+  ``DIR/torchtrain/models/llama/model.py`` (``ModelArgs(dim=4096, n_heads=32, vocab_size=32000)``,
+  ``max_seq_len`` its default 32768: a 32 MiB complex ``freqs_cis`` buffer; batch and sequence
+  folded into one dimension between blocks; fp32 complex rotary; its RMSNorm): whether the
+  model's code, not the mechanisms, explains a gap;
 * ``hf-dropped``: what this benchmark compared until 2026-12-06: Hugging Face's own loss
   (bf16 logits out, upcast inside the loss), the output dropped after the loss, every block
   resharded.
@@ -51,6 +57,7 @@ kernel saved in place of the CUDA ones) on a small Llama
 (tests/test_checkpoint.py::test_selective_checkpointing_policy_real_run).
 
     python benchmarks/torchtitan.py [--layers 32] [--loops titan,hf-dropped]   # ~2 min, 2 cores
+    python benchmarks/torchtitan.py --loops titan,titan-model --titan-checkout DIR
 """
 
 from __future__ import annotations
@@ -112,6 +119,36 @@ def titan_loss(out):
     return torch.nn.functional.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
 
 
+class TitanModelLoop(torch.nn.Module):
+    """torchtitan's own Llama (its forward takes the tokens alone), returned with the labels for
+    :func:`titan_loss`."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids), labels
+
+
+def titan_llama(checkout: str, layers: int, op_sac: bool) -> torch.nn.Module:
+    """torchtitan's Llama-2-7B at PR #165 from ``checkout`` (its model file, loaded as is)."""
+    import importlib.util
+    import os
+    path = os.path.join(checkout, "torchtrain", "models", "llama", "model.py")
+    spec = importlib.util.spec_from_file_location("titan_llama_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.ModelArgs(dim=4096, n_layers=layers, n_heads=32, vocab_size=32000)
+    with torch.device("meta"):
+        m = mod.Transformer.from_model_args(args)
+    if op_sac:
+        for layer in m.layers:
+            layer.forward = functools.partial(_op_sac_forward, layer)
+    with torch.device("meta"):
+        return TitanModelLoop(m)
+
+
 def llama_2_7b(layers: int, op_sac: bool) -> torch.nn.Module:
     cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
                                    num_hidden_layers=layers, num_attention_heads=32,
@@ -126,19 +163,23 @@ def llama_2_7b(layers: int, op_sac: bool) -> torch.nn.Module:
     return m
 
 
-def run(plan: str, layers: int, loop: str) -> tuple[float, dict, float]:
+def run(plan: str, layers: int, loop: str, checkout: str | None = None
+        ) -> tuple[float, dict, float]:
     from memsim.analysis.caching import AllocConf
     from memsim.analysis.reserved import replay
     from memsim.strategies import FSDP, analyze
 
-    model = llama_2_7b(layers, op_sac=plan == "op-sac")
+    if loop == "titan-model":
+        model = titan_llama(checkout, layers, op_sac=plan == "op-sac")
+    else:
+        model = llama_2_7b(layers, op_sac=plan == "op-sac")
     loop_kw = dict(keep_outputs=False) if loop == "hf-dropped" else dict(loss_fn=titan_loss)
     if loop == "titan":
         with torch.device("meta"):
             model = TitanOutput(model)
     t0 = time.perf_counter()
     # PR #165's parallelize_llama.py: every block resharded after forward but the last
-    reshard = "not-last" if loop == "titan" else True
+    reshard = "not-last" if loop.startswith("titan") else True
     report = analyze(model, {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])},
                      fsdp=FSDP(dp=8, param_dtype="bfloat16", reduce_dtype="float32",
                                reshard_after_forward=reshard),
@@ -155,8 +196,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--loops", default="titan,hf-dropped",
-                    help="comma-separated: titan (PR #165's loop), hf-dropped (the earlier one)")
+                    help="comma-separated: titan (PR #165's loop), titan-model (that loop over "
+                         "torchtitan's own model: needs --titan-checkout), hf-dropped (the "
+                         "earlier one)")
+    ap.add_argument("--titan-checkout", metavar="DIR",
+                    help="a clone of pytorch/torchtitan at commit 83c879f (PR #165)")
     args = ap.parse_args()
+    if "titan-model" in args.loops.split(",") and not args.titan_checkout:
+        ap.error("the titan-model loop needs --titan-checkout DIR")
     print(f"Llama-2-7B shape, {args.layers} layers, FSDP2 dp 8, bf16 params / fp32 reduce, "
           "B 8, S 2048, --device cuda")
     rows = []
@@ -164,7 +211,7 @@ def main() -> None:
           f"{'ratio':>7} {'trace s':>8}   (peak allocated / active)")
     for plan in ("full", "op-sac"):
         for loop in args.loops.split(","):
-            gib, reserved, secs = run(plan, args.layers, loop)
+            gib, reserved, secs = run(plan, args.layers, loop, args.titan_checkout)
             pub = PUBLISHED[plan] if args.layers == 32 else float("nan")
             print(f"{plan:<14} {loop:<11} {gib:>11.2f} {pub:>14.2f} {gib / pub:>7.3f} "
                   f"{secs:>8.1f}", flush=True)
