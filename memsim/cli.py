@@ -85,9 +85,10 @@ def _add_common(a: argparse.ArgumentParser) -> None:
                    help="whose kernels to model (default cuda)")
     a.add_argument("--hint", metavar="S=64", help="example sizes for the symbolic run")
     a.add_argument("--optimizer", default=None,
-                   help="a torch.optim class, or lion, adamw8bit, paged_adamw8bit, lion8bit, "
-                        "sgd-momentum... (default AdamW; under --zero on --device cuda, "
-                        "DeepSpeed's FusedAdam)")
+                   help="a torch.optim class, with its options as Python writes them "
+                        "('AdamW(foreach=False)', 'Adam(amsgrad=True)'), or lion, adamw8bit, "
+                        "paged_adamw8bit, lion8bit, sgd-momentum... (default AdamW; under "
+                        "--zero on --device cuda, DeepSpeed's FusedAdam)")
     a.add_argument("--precision", default="32-true",
                    help="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true or bf16-master "
                         "(default 32-true)")

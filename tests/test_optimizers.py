@@ -49,6 +49,35 @@ def test_named_optimizers_match_real_run(name):
     check(report, zoo.Block, SEQ, grid(B=(2, 3), S=(5, 16)), optimizer=real)
 
 
+@pytest.mark.parametrize("name,real", [
+    ("Adam(amsgrad=True)", lambda ps: torch.optim.Adam(ps, amsgrad=True)),
+    ("AdamW(foreach=True, weight_decay=0.1)",
+     lambda ps: torch.optim.AdamW(ps, foreach=True, weight_decay=0.1))])
+def test_torch_optimizer_with_keyword_arguments_matches_real_run(name, real):
+    """A torch.optim class with its options in the name: amsgrad keeps a third state, and
+    foreach (not the CPU's default) changes the step's temporaries; both equal a real step
+    built with the same options."""
+    report = predict(zoo.Block, SEQ, optimizer=name, inference=False)
+    default = predict(zoo.Block, SEQ, optimizer=name.split("(")[0], inference=False)
+    at = {"B": 2, "S": 5}   # the optimizer step's peak
+    assert report.at(**at)["train"] != default.at(**at)["train"]
+    check(report, zoo.Block, SEQ, grid(B=(2, 3), S=(5, 16)), optimizer=real)
+
+
+@pytest.mark.parametrize("name,match", [
+    ("AdamW(forech=False)", r"takes no argument 'forech' \(did you mean 'foreach'"),
+    ("AdamW(False)", "by keyword"),
+    ("AdamW(foreach=x)", "'foreach' is not a Python literal"),
+    ("AdamW(foreach=True, fused=True)", "refuses these options"),
+    ("lion(lr=1)", "memsim's own entry"),
+    ("AdamX(lr=1)", "did you mean 'adamax'"),
+    ("AdamW(", "not a class name with keyword arguments")])
+def test_optimizer_options_that_cannot_work_are_usage_errors(name, match):
+    from memsim.tracer import UsageError
+    with pytest.raises(UsageError, match=match):
+        lookup(name)
+
+
 def test_adafactor_factors_second_moments():
     """torch.optim.Adafactor keeps row and column factors for matrices: far less than Adam."""
     with torch.device("meta"):

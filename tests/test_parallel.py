@@ -519,12 +519,16 @@ def test_tp_plans_and_errors():
 def test_tp_on_cuda_with_a_foreach_optimizer_over_unsharded_parameters_is_named():
     """HF's plan leaves the embedding and norms plain tensors; on CUDA torch's AdamW takes its
     foreach update, which DTensor refuses over a mixed list (a real run fails the same way):
-    a StrategyError naming the plain parameters and the way out (foreach=False)."""
+    a StrategyError naming the plain parameters and the way out (foreach=False), which the
+    optimizer's name takes."""
     with torch.device("meta"):
         m = O.llama_model()
     with pytest.raises(StrategyError, match=r"(?s)leaves 'model.embed_tokens.weight'.*"
-                                            r"foreach=False"):
+                                            r"--optimizer 'AdamW\(foreach=False\)'"):
         analyze(m, LM, tp=TensorParallel(2), device="cuda", inference=False)
+    report = analyze(m, LM, tp=TensorParallel(2), device="cuda", inference=False,
+                     optimizer="AdamW(foreach=False)")
+    assert report.train.optimizer_states == 2 * report.train.parameters
 
 
 def test_cli_strategy_json_and_usage_errors(capsys):

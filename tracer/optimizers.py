@@ -18,6 +18,14 @@ float32 states; one 256-entry float32 quantization map per moment is shared by a
 the step count is a Python int. Paged variants keep the states in CUDA unified memory, which the
 driver evicts to the host under pressure: they are reported on the host, not in the device peak.
 
+A torch.optim class takes its keyword arguments in the name, as Python writes the call:
+``"AdamW(foreach=False)"``, ``"Adam(amsgrad=True, betas=(0.9, 0.95))"``, ``"SGD(momentum=0.9,
+nesterov=True)"`` (values are Python literals; each keyword is checked against the class's
+signature and the optimizer is built once on a one-element parameter, so that a value it refuses
+is an error before any trace). They change memory: ``amsgrad`` keeps a third state, ``foreach``
+and ``fused`` change the step's temporaries, and ``foreach=False`` is what a tensor-parallel
+model with plain parameters beside its DTensors needs.
+
 Register your own in a few lines::
 
     from memsim.tracer.optimizers import register_optimizer
@@ -28,6 +36,8 @@ Register your own in a few lines::
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -162,7 +172,11 @@ def names() -> list[str]:
 
 
 def lookup(name: str) -> OptimizerEntry:
-    """The entry for ``name`` (case-insensitive): registered first, then torch.optim."""
+    """The entry for ``name`` (case-insensitive): registered first, then torch.optim; a
+    torch.optim class with keyword arguments, ``"AdamW(foreach=False)"``
+    (:func:`_with_options`)."""
+    if "(" in name:
+        return _with_options(name)
     key = name.lower()
     if key in _REGISTRY:
         return _REGISTRY[key]
@@ -173,6 +187,61 @@ def lookup(name: str) -> OptimizerEntry:
                               (lambda params: cls(params)), f"torch.optim.{cls.__name__}")
     raise UsageError(f"unknown optimizer {name!r}" + did_you_mean(key, names(), n=3),
                      hint=f"known: {', '.join(names())}; or register_optimizer(...)")
+
+
+def _with_options(name: str) -> OptimizerEntry:
+    """``Class(key=value, ...)``: a torch.optim class with keyword arguments, each a Python
+    literal, checked against the class's signature and by building it once."""
+    example = "e.g. 'AdamW(foreach=False)' or 'SGD(lr=0.01, momentum=0.9)'"
+    base = name[:name.index("(")].strip()
+    try:
+        call = ast.parse(name.strip(), mode="eval").body
+        if (not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name)
+                or any(k.arg is None for k in call.keywords)):
+            raise SyntaxError("not Class(key=value, ...)")
+    except SyntaxError as e:
+        raise UsageError(f"optimizer {name!r} is not a class name with keyword arguments "
+                         f"({e.msg})", hint=example) from None
+    if call.args:
+        raise UsageError(f"optimizer {name!r}: give its options by keyword", hint=example)
+    options = {}
+    for k in call.keywords:
+        try:
+            options[k.arg] = ast.literal_eval(k.value)
+        except ValueError:
+            raise UsageError(f"optimizer {name!r}: the value of {k.arg!r} is not a Python "
+                             "literal (a number, True/False/None, a string or a tuple)",
+                             hint=example) from None
+    key = base.lower()
+    cls = _torch_optimizers().get(key)
+    if cls is None:
+        if key in _REGISTRY:
+            raise UsageError(f"optimizer {name!r}: options in parentheses are for torch.optim's "
+                             f"classes, and {base!r} is memsim's own entry",
+                             hint="register_optimizer(...) one with the options you want")
+        raise UsageError(f"unknown optimizer class {base!r}"
+                         + did_you_mean(key, sorted(_torch_optimizers()), n=3),
+                         hint=f"torch.optim's: {', '.join(sorted(_torch_optimizers()))}")
+    accepted = [p for p in inspect.signature(cls.__init__).parameters
+                if p not in ("self", "params")]
+    for k in options:
+        if k not in accepted:
+            raise UsageError(f"optimizer {name!r}: torch.optim.{cls.__name__} takes no "
+                             f"argument {k!r}" + did_you_mean(k, accepted, n=3),
+                             hint=f"its arguments: {', '.join(accepted)}")
+    if key == "sgd":
+        options.setdefault("lr", 1e-3)  # SGD has no default lr
+
+    def make(params):
+        return cls(params, **options)
+
+    try:
+        make([torch.nn.Parameter(torch.zeros(1))])
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise UsageError(f"optimizer {name!r}: torch.optim.{cls.__name__} refuses these "
+                         f"options: {e}", hint=example) from None
+    shown = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    return OptimizerEntry(f"{key}({shown})", make, f"torch.optim.{cls.__name__}({shown})")
 
 
 for _name, _moments, _paged in [("adamw8bit", 2, False), ("adam8bit", 2, False),

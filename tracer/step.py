@@ -384,9 +384,9 @@ def _mixed_dtensors(err: BaseException, model) -> MemsimError | None:
         f"the tensor-parallel plan leaves {names} plain tensors beside its DTensors; a real "
         "run fails the same way (torch picks the foreach update on CUDA, and DTensor refuses "
         "a list that mixes both)",
-        hint="give an optimizer built with foreach=False (Python: optimizer=lambda p: "
-             "torch.optim.AdamW(p, foreach=False); the command: register_optimizer(...) in "
-             "your module), or make every parameter a DTensor (FSDP with TP: --fsdp)")
+        hint="give the optimizer foreach=False (--optimizer 'AdamW(foreach=False)', "
+             "optimizer='AdamW(foreach=False)'), or make every parameter a DTensor (FSDP "
+             "with TP: --fsdp)")
 
 
 def _outside_unit(err: BaseException, model, recorder: Recorder) -> MemsimError | None:
