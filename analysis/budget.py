@@ -10,7 +10,13 @@
   allocations and frees replayed through the allocator's rules at the point
   (:func:`memsim.analysis.reserved.replay`), ``max_memory_reserved - allocated - cublas``.
   ``allocated + cublas_workspace + allocator_cache`` is the predicted
-  ``torch.cuda.max_memory_reserved()`` (:attr:`Budget.reserved`).
+  ``torch.cuda.max_memory_reserved()`` (:attr:`Budget.reserved`). The replay confines the
+  allocator to the budget, ``capacity * (1 - margin)`` less the fixed terms outside it, as
+  ``torch.cuda.set_per_process_memory_fraction`` confines a real one: a cache that would grow
+  past it is released and the request retried. So the step fits exactly where that replay
+  does not run out of memory; unconfined, the cache grows while the card has room, and its
+  size near the margin says nothing of whether the step runs (:attr:`Budget.reserved_card`
+  keeps that figure where the two differ).
 - ``fragmentation``: a margin of the user's own, a fraction of ``allocated`` (default 0; it was
   the flat stand-in for the reserve before the replay). Where the replay cannot run (a fitted
   symbol) it is at least 5% and a note says so.
@@ -120,7 +126,15 @@ class Budget:
         Largest size of the batch / sequence symbol that fits (others at the point); None
         when the symbol is absent; 0 when not even size 1 fits.
     reserved : int or None
-        Predicted ``torch.cuda.max_memory_reserved()`` (CUDA, replayed); None elsewhere.
+        Predicted ``torch.cuda.max_memory_reserved()`` (CUDA, replayed) with the caching
+        allocator confined to the budget (the capacity less the margin, as
+        ``torch.cuda.set_per_process_memory_fraction(1 - margin)`` confines it): where the cache
+        would grow past it, the allocator releases cache and retries (a note says how often);
+        None elsewhere, or where it runs out of memory.
+    reserved_card : int or None
+        Where the confined replay released its cache or ran out: the reserved bytes of a replay
+        that may grow to the whole card (what ``torch.cuda.max_memory_reserved()`` reads on a
+        real run without that fraction set), when that one does not run out.
     replay : Reserved or None
         The caching allocator replay at the point (:class:`memsim.analysis.reserved.Reserved`).
     notes : list of str
@@ -147,19 +161,27 @@ class Budget:
     reserved: int | None = None
     replay: Reserved | None = None
     overheads: Overheads | None = None  # the settings the terms were computed with
+    reserved_card: int | None = None
 
 
 class _Model:
     """``total(point)`` for one report and step, exact and fast (integer arithmetic)."""
 
     def __init__(self, report, step: str, overheads: Overheads, family: str,
-                 capacity: int | None = None):
+                 budget: int | None = None):
         self.report, self.step_name = report, step
         self.overheads = overheads
         self.fixed = overheads.fixed(report.device, family)
-        # what the caching allocator may reserve: the card less what lives outside it
-        self.limit = (None if capacity is None else
-                      capacity - self.fixed["cuda_context"] - self.fixed["comm_buffers"])
+        # what the caching allocator may reserve: the budget (the card less the margin kept
+        # free, as torch.cuda.set_per_process_memory_fraction confines a real allocator) less
+        # what lives outside the allocator. Confined, a cache that would grow past it is
+        # released and the request retried, as at a card's end: the step fits where the
+        # replay does not run out of memory, whatever the cache would take on a whole card
+        # (which grows while memory is free, so that it would otherwise decide the verdict:
+        # Llama-3-8B QLoRA on an H100 at S=2048 reserved 75.6 GiB at B=13 without a release,
+        # and 66.9 GiB at B=14 after one)
+        self.limit = (None if budget is None else
+                      budget - self.fixed["cuda_context"] - self.fixed["comm_buffers"])
         self._replays: dict[tuple, Reserved | None] = {}
 
     def step_of(self, report):
@@ -225,7 +247,8 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
     capacity = gpu.bytes if capacity is None else capacity
     overheads = overheads or Overheads()
     step_name = "train" if report.train is not None else "inference"
-    model = _Model(report, step_name, overheads, gpu.family if gpu else "unknown", capacity)
+    usable = int(capacity * (1 - margin))
+    model = _Model(report, step_name, overheads, gpu.family if gpu else "unknown", usable)
     point = dict(point or {})
     notes: list[str] = []
     missing = [n for n in report.symbols if n not in point]
@@ -236,9 +259,19 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
     overhead = model.overhead(allocated, point)
     total = allocated + sum(overhead.values())
     r = model.replayed(point)
+    card = None
     if report.device == "cuda":
-        notes.extend(_replay_notes(r, overheads, model.limit))
-    usable = int(capacity * (1 - margin))
+        notes.extend(_replay_notes(r, overheads, model.limit, margin))
+        if r is not None and (r.retries or r.oom is not None):
+            # what the cache takes where it may grow to the whole card
+            whole = _Model(report, step_name, overheads, model_family(gpu), capacity)
+            card = whole.replayed(point)
+            if card is not None and card.oom is None:
+                notes.append(f"on the whole card (no margin kept free) the caching allocator "
+                             f"would reserve {card.reserved:,} B, what "
+                             "torch.cuda.max_memory_reserved() reads there; the verdict keeps "
+                             f"{margin:.0%} free, as torch.cuda.set_per_process_memory_fraction"
+                             f"({1 - margin:.2f}) would")
     sub, pt = report.for_point(point)
     bd = model.step_of(sub).breakdown(pt)
     dominant = max(bd, key=bd.get) if any(bd.values()) else "-"
@@ -246,7 +279,8 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
                (capacity - total) / capacity, dominant, bd, notes=notes,
                basis=report.basis, replay=r, overheads=overheads,
                reserved=(allocated + overhead["allocator_cache"] + overhead["cublas_workspace"]
-                         if r is not None and r.oom is None else None))
+                         if r is not None and r.oom is None else None),
+               reserved_card=(card.reserved if card is not None and card.oom is None else None))
     b.max_batch = _solve(model, report, point, batch, usable, notes)
     b.max_seq = _solve(model, report, point, seq, usable, notes)
     return b
@@ -267,7 +301,12 @@ def cache_fraction(report, point: dict[str, int], *, overheads: Overheads | None
     return (over["allocator_cache"] + over["fragmentation"]) / alloc if alloc else 0.0
 
 
-def _replay_notes(r: Reserved | None, overheads: Overheads, limit: int | None) -> list[str]:
+def model_family(gpu: GPU | None) -> str:
+    return gpu.family if gpu else "unknown"
+
+
+def _replay_notes(r: Reserved | None, overheads: Overheads, limit: int | None,
+                  margin: float = 0.0) -> list[str]:
     if r is None:
         return ["reserved memory is not replayed for a report with fitted symbols: the "
                 "allocator's reserve is taken as 5% of the allocated peak (an estimate)"]
@@ -276,12 +315,14 @@ def _replay_notes(r: Reserved | None, overheads: Overheads, limit: int | None) -
            f"caching allocator ({'PYTORCH_CUDA_ALLOC_CONF=' + str(conf) if conf and conf.text else 'default settings'}), "
            "after a first step; the rules are read from its source, the replay has not been "
            "compared with a GPU run"]
+    within = f"the card less {margin:.0%} kept free" if margin else "the card"
     if r.oom is not None:
         out.append(f"the caching allocator runs out of memory: a request of {r.oom:,} B cannot "
-                   f"be reserved within {limit:,} B even after releasing its cache")
+                   f"be reserved within {limit:,} B ({within}, less the CUDA context) even "
+                   "after releasing its cache")
     elif r.retries:
         out.append(f"the caching allocator released its cache {r.retries} time(s) to stay "
-                   "within the card (slow steps: cudaFree synchronizes)")
+                   f"within {within} (slow steps: cudaFree synchronizes)")
     return out
 
 
@@ -333,8 +374,8 @@ def sweep(report, point: dict[str, int], *, gpu: GPU | None = None, capacity: in
         return [], [], []
     capacity = gpu.bytes if (capacity is None and gpu is not None) else capacity
     step_name = "train" if report.train is not None else "inference"
-    model = _Model(report, step_name, overheads or Overheads(), gpu.family if gpu else "unknown",
-                   capacity)
+    model = _Model(report, step_name, overheads or Overheads(), model_family(gpu),
+                   None if capacity is None else int(capacity * (1 - margin)))
     s_lo, s_hi = report.extent.get(seq, (2, None))
     seqs = [s for s in seqs if s >= s_lo and (s_hi is None or s <= s_hi)]
     if s_hi is not None and s_hi not in seqs and (not seqs or s_hi > seqs[-1]):

@@ -39,8 +39,8 @@ in PyTorch 2.13 (the release memsim targets), restated here (the function named 
 Not modelled: CUDA graphs' private pools, ``record_stream`` (its events delay a free until the
 other stream's work ends: FSDP2 does not call it; DeepSpeed does on CUDA, not on the CPU path
 memsim traces), ``garbage_collection_
-threshold`` (acts only with ``set_per_process_memory_fraction``; refused by :meth:`AllocConf.
-parse`), and where ``cudaMalloc`` places a segment (addresses here increase; they only break ties
+threshold`` (acts only under a per-process limit, which the budget sets from its margin:
+:mod:`memsim.analysis.budget`; refused by :meth:`AllocConf.parse`), and where ``cudaMalloc`` places a segment (addresses here increase; they only break ties
 between free blocks of equal size).
 
 >>> a = CachingAllocator()
@@ -183,9 +183,9 @@ class AllocConf:
                         raise bad("expandable_segments takes True or False")
                     kw["expandable_segments"] = val == "True"
                 elif key == "garbage_collection_threshold":
-                    raise bad("garbage_collection_threshold acts only under "
-                              "torch.cuda.set_per_process_memory_fraction, which memsim does "
-                              "not model")
+                    raise bad("garbage_collection_threshold (cached blocks freed early once "
+                              "the usage passes that fraction of the per-process limit) is "
+                              "not modelled")
                 elif key in ("backend", "release_lock_on_cudamalloc",
                              "pinned_use_cuda_host_register", "pinned_num_register_threads",
                              "pinned_use_background_threads", "pinned_max_round_threshold",
@@ -194,7 +194,9 @@ class AllocConf:
                     if key == "backend" and val != "native":
                         raise bad("only the native caching allocator is modelled")
                     if key == "per_process_memory_fraction":
-                        raise bad("per_process_memory_fraction is not modelled")
+                        raise bad("per_process_memory_fraction: give the budget's margin "
+                                  "instead (--margin 1-FRACTION: the budget confines the "
+                                  "allocator to the capacity x (1 - margin))")
                 else:
                     raise bad(f"unknown option {key!r}")
             if i < len(toks):

@@ -144,6 +144,7 @@ def budget_json(b) -> dict:
             "margin": b.margin, "fits": b.fits, "headroom": round(b.headroom, 6),
             "dominant": b.dominant, "max_batch": b.max_batch, "max_seq": b.max_seq,
             "notes": list(b.notes), "basis": b.basis, "reserved": b.reserved,
+            "reserved_card": b.reserved_card,
             "replay": b.replay.as_dict() if b.replay is not None else None}
 
 

@@ -56,8 +56,9 @@ def test_margin_headroom_and_overheads_on_cuda():
     """The budget's figures from the terms the module documents, computed here: the allocated
     peak (report.at, 512-byte blocks), the reserve of the caching allocator replayed at the
     point (tests/test_caching.py checks the replay's rules), the given context, Hopper's cuBLAS
-    workspaces; fits within capacity * 0.9; the largest B and S are the last sizes that fit
-    (checked at the answer and the next size with this total, not the budget's)."""
+    workspaces; the allocator confined to capacity * 0.9 less the context; the largest B and S
+    are the last sizes whose replay does not run out (checked at the answer and the next size
+    with this replay, not the budget's)."""
     from memsim.analysis.reserved import replay
 
     with torch.device("meta"):
@@ -70,9 +71,12 @@ def test_margin_headroom_and_overheads_on_cuda():
     capacity = 81559 * 2 ** 20  # H100 80GB: 81,559 MiB (nvidia-smi)
     usable = int(capacity * (1 - 0.10))  # the default margin
 
-    def reserved(B, S):
+    def replayed(B, S):
         sub, pt = r.for_point({"B": B, "S": S})
-        return replay(sub.train, pt, workspace=ws, limit=capacity - ctx).reserved
+        return replay(sub.train, pt, workspace=ws, limit=usable - ctx)
+
+    def reserved(B, S):
+        return replayed(B, S).reserved
 
     def total(B, S):
         return reserved(B, S) + ctx
@@ -83,12 +87,42 @@ def test_margin_headroom_and_overheads_on_cuda():
     assert b.overhead == {"allocator_cache": b.reserved - b.allocated - ws, "fragmentation": 0,
                           "cuda_context": ctx, "cublas_workspace": ws, "comm_buffers": 0}
     assert b.total == total(4, 64) and b.fits and b.headroom == (capacity - total(4, 64)) / capacity
-    assert total(b.max_batch, 64) <= usable < total(b.max_batch + 1, 64)
-    assert total(4, b.max_seq) <= usable < total(4, b.max_seq + 1)
+    assert replayed(b.max_batch, 64).oom is None and total(b.max_batch, 64) <= usable
+    assert replayed(b.max_batch + 1, 64).oom is not None
+    assert replayed(4, b.max_seq).oom is None and total(4, b.max_seq) <= usable
+    assert replayed(4, b.max_seq + 1).oom is not None
     # --fragmentation is a margin of the user's own on top of the replayed reserve
     b5 = plan(r, {"B": 4, "S": 64}, gpu=h100,
               overheads=Overheads(cuda_context=ctx, fragmentation=0.05))
     assert b5.total == b.total + int(b.allocated * 0.05)
+
+
+def test_the_cache_is_confined_to_the_budget_not_the_card():
+    """Unconfined, the caching allocator's cache grows while the card has room, so its size
+    near the margin says nothing of whether the step runs. Here the whole card's replay
+    reserves more than the budget (90%) without releasing anything; confined to the budget, as
+    torch.cuda.set_per_process_memory_fraction(0.9) confines a real allocator, it releases its
+    cache and the step fits: the verdict, the reserve and the note say so, and the whole
+    card's figure is kept beside them."""
+    from memsim.analysis import analyze
+    from memsim.analysis.reserved import replay
+
+    with torch.device("meta"):
+        m = zoo.Block()
+    r = analyze(m, SEQ, device="cuda", inference=False)
+    ctx, ws = 100 * 2 ** 20, 33 * 2 ** 20
+    sub, pt = r.for_point({"B": 4, "S": 1000})
+    free = replay(sub.train, pt, workspace=ws)
+    assert free.reserved - free.allocated > 20 * 2 ** 20 and not free.retries
+    # the budget 10 MiB below the whole card's reserve (which needs 228 MiB of its 248)
+    capacity = int((free.reserved - 10 * 2 ** 20 + ctx) / 0.9) + 1
+    b = plan(r, {"B": 4, "S": 1000}, capacity=capacity,
+             overheads=Overheads(cuda_context=ctx, cublas_workspace=ws))
+    assert b.reserved_card == free.reserved > int(capacity * 0.9) - ctx
+    assert b.fits and b.replay.retries and b.reserved < free.reserved
+    assert b.total == b.reserved + ctx <= int(capacity * 0.9)
+    assert any("set_per_process_memory_fraction(0.90)" in n for n in b.notes)
+    assert any("released its cache" in n and "10% kept free" in n for n in b.notes)
 
 
 def test_units_are_explicit():

@@ -201,7 +201,8 @@ def test_expandable_small_pool_pages_are_2_mib():
 @pytest.mark.parametrize("text, match", [
     ("expandable_segments:yes", "True or False"),
     ("max_split_size_mb:10", "at least the large segment size"),
-    ("garbage_collection_threshold:0.6", "set_per_process_memory_fraction"),
+    ("garbage_collection_threshold:0.6", "per-process limit\\) is not modelled"),
+    ("per_process_memory_fraction:0.8", "--margin 1-FRACTION"),
     ("nosuchkey:1", "unknown option 'nosuchkey'"),
     ("roundup_power2_divisions:3", "power of 2"),
     ("max_split_size_mb", "has no value"),
