@@ -125,6 +125,10 @@ class Budget:
     max_batch, max_seq : int or None
         Largest size of the batch / sequence symbol that fits (others at the point); None
         when the symbol is absent; 0 when not even size 1 fits.
+    max_batch_no_release, max_seq_no_release : int or None
+        Where the caching allocator is replayed: the largest sizes at which it also never
+        releases its cache to stay within the budget. Above them the step fits, but frees
+        cached segments and retries (``cudaFree`` synchronizes): slower steps.
     reserved : int or None
         Predicted ``torch.cuda.max_memory_reserved()`` (CUDA, replayed) with the caching
         allocator confined to the budget (the capacity less the margin, as
@@ -162,6 +166,8 @@ class Budget:
     replay: Reserved | None = None
     overheads: Overheads | None = None  # the settings the terms were computed with
     reserved_card: int | None = None
+    max_batch_no_release: int | None = None
+    max_seq_no_release: int | None = None
 
 
 class _Model:
@@ -283,6 +289,9 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
                reserved_card=(card.reserved if card is not None and card.oom is None else None))
     b.max_batch = _solve(model, report, point, batch, usable, notes)
     b.max_seq = _solve(model, report, point, seq, usable, notes)
+    if r is not None:   # replayed: where the cache needs no release, every step runs alike
+        b.max_batch_no_release = _solve(model, report, point, batch, usable, [], True)
+        b.max_seq_no_release = _solve(model, report, point, seq, usable, [], True)
     return b
 
 
@@ -326,8 +335,10 @@ def _replay_notes(r: Reserved | None, overheads: Overheads, limit: int | None,
     return out
 
 
-def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: list):
-    """Largest integer value of symbol ``name`` whose total fits ``usable`` (others fixed).
+def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: list,
+           no_release: bool = False):
+    """Largest integer value of symbol ``name`` whose total fits ``usable`` (others fixed);
+    ``no_release``: and whose replay never releases the allocator's cache.
 
     Exponential search then bisection over the exact total; the answer is checked: it fits and
     the next size does not (or is beyond the model's limit). The peak grows with every size in
@@ -339,7 +350,10 @@ def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: li
     lo, hi = report.extent.get(name, (2, None))
 
     def fits(v: int) -> bool:
-        return model.total({**point, name: v}) <= usable
+        pt = {**point, name: v}
+        if model.total(pt) > usable:
+            return False
+        return not no_release or not getattr(model.replayed(pt), "retries", 0)
 
     if model.floor(point) > usable:
         notes.append(f"{name}: the model states and fixed overheads alone exceed the usable "

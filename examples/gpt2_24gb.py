@@ -24,7 +24,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import verdict
+from memsim.render import largest, verdict
 
 
 def config(small: bool = False) -> dict:
@@ -57,7 +57,7 @@ def main(small: bool = False) -> None:
                                 keep_outputs=False, inference=False, checkpoint=ckpt)
         bud = plan(report, pt, gpu=card, capacity=16 * 2 ** 20 if small else None)
         print(f"  {label}, B={pt['B']}, S={pt['S']}: {verdict(bud)}")
-        print(f"    largest batch that fits at S={pt['S']}: {bud.max_batch}")
+        print(f"    largest batch that fits at S={pt['S']}: {largest(bud, 'batch')}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 
 

@@ -44,7 +44,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import human, verdict
+from memsim.render import human, largest, verdict
 
 INPUTS = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
 SMALL_BUCKETS = dict(reduce_bucket_size=10_000, allgather_bucket_size=10_000,
@@ -101,7 +101,7 @@ def main(small: bool = False, deepspeed: bool = False) -> None:
           f"optimizer states {human(f['optimizer_states'])}, activation peak "
           f"{human(f['activation_peak'])}")
     print(f"  {verdict(bud)}")
-    print(f"  largest micro-batch at S={point['S']}: {bud.max_batch}")
+    print(f"  largest micro-batch at S={point['S']}: {largest(bud, 'batch')}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 
 

@@ -32,7 +32,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import human, verdict
+from memsim.render import human, largest, verdict
 
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
@@ -70,7 +70,7 @@ def main(small: bool = False) -> None:
         for where, cap in targets:
             bud = plan(report, point, **cap)
             print(f"    {where}: {verdict(bud)}; largest batch at S={point['S']}: "
-                  f"{bud.max_batch}")
+                  f"{largest(bud, 'batch')}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 
 

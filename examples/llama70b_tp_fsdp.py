@@ -32,7 +32,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import human, verdict
+from memsim.render import human, largest, verdict
 
 LLAMA_70B = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
                  num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
@@ -69,8 +69,8 @@ def main(small: bool = False) -> None:
           f"gradients {human(f['gradients'])}, optimizer states {human(f['optimizer_states'])}, "
           f"activation peak {human(f['activation_peak'])}")
     print(f"  {verdict(bud)}")
-    print(f"  largest batch at S={point['S']}: {bud.max_batch}; largest sequence at "
-          f"B={point['B']}: {bud.max_seq}")
+    print(f"  largest batch at S={point['S']}: {largest(bud, 'batch')}; largest sequence at "
+          f"B={point['B']}: {largest(bud, 'seq')}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 
 

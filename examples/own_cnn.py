@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import verdict
+from memsim.render import largest, verdict
 
 
 def stage(cin: int, cout: int) -> nn.Sequential:
@@ -80,7 +80,7 @@ def main(small: bool = False) -> None:
     for b in c["batches"]:
         bud = plan(report, {"B": b}, gpu=card, capacity=4 * 2 ** 20 if small else None)
         print(f"  B={b}: {verdict(bud)}")
-    print(f"largest batch that fits at {c['image']}x{c['image']}: {bud.max_batch}")
+    print(f"largest batch that fits at {c['image']}x{c['image']}: {largest(bud, 'batch')}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 
 

@@ -25,7 +25,7 @@ import transformers
 import memsim
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import gpu
-from memsim.render import verdict
+from memsim.render import largest, verdict
 
 VIT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                  intermediate_size=4096, patch_size=16, num_labels=1000)
@@ -68,7 +68,7 @@ def main(small: bool = False) -> None:
         bud = plan(report, {"B": c["batch"]}, gpu=card, capacity=2 * 2 ** 20 if small else None)
         tokens = (res // v["patch_size"]) ** 2 + 1
         print(f"  {res}x{res} ({tokens} tokens): {verdict(bud)}; largest batch: "
-              f"{bud.max_batch}")
+              f"{largest(bud, 'batch')}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")
 
 

@@ -35,12 +35,25 @@ def verdict(b) -> str:
     if b.reserved is not None:
         reserved = human(b.reserved)
     elif b.replay is not None and b.replay.oom is not None:
-        reserved = "over the card (the caching allocator runs out of memory)"
+        reserved = (f"over the budget (the caching allocator runs out of memory within "
+                    f"{1 - b.margin:.0%} of the card)")
     else:
         reserved = "n/a on CPU" if b.replay is None else "-"
     return (f"peak allocated {human(b.allocated)} ({b.allocated:,} B), reserved {reserved}, "
             f"total {human(b.total)}: {'FITS' if b.fits else 'DOES NOT FIT'}, headroom "
             f"{b.headroom:.1%}")
+
+
+def largest(b, which: str) -> str:
+    """``b.max_batch`` (``which="batch"``) or ``b.max_seq`` (``"seq"``) as printed, with the
+    largest size at which the caching allocator never releases its cache where that is
+    smaller (above it each step frees cached segments and retries: slower)."""
+    v = getattr(b, f"max_{which}")
+    text = "none" if v == 0 else str(v)
+    clean = getattr(b, f"max_{which}_no_release", None)
+    if clean is not None and v and clean < v:
+        text += f" ({clean or 'none'} without releasing the allocator's cache)"
+    return text
 
 
 def human(n: int | None) -> str:
@@ -143,6 +156,8 @@ def budget_json(b) -> dict:
             "allocated": b.allocated, "overhead": dict(b.overhead), "total": b.total,
             "margin": b.margin, "fits": b.fits, "headroom": round(b.headroom, 6),
             "dominant": b.dominant, "max_batch": b.max_batch, "max_seq": b.max_seq,
+            "max_batch_no_release": b.max_batch_no_release,
+            "max_seq_no_release": b.max_seq_no_release,
             "notes": list(b.notes), "basis": b.basis, "reserved": b.reserved,
             "reserved_card": b.reserved_card,
             "replay": b.replay.as_dict() if b.replay is not None else None}
@@ -311,9 +326,9 @@ def budget_text(b, device: str) -> str:
            tabulate(rows, headers=["term", "bytes"])]
     lim = []
     if b.max_batch is not None:
-        lim.append(f"largest batch that fits: {b.max_batch or 'none'}")
+        lim.append(f"largest batch that fits: {largest(b, 'batch')}")
     if b.max_seq is not None:
-        lim.append(f"largest sequence that fits: {b.max_seq or 'none'}")
+        lim.append(f"largest sequence that fits: {largest(b, 'seq')}")
     if lim:
         out.append("; ".join(lim) + " (the other sizes as given; solved from the formula, "
                                     "checked at the answer and the next size)")

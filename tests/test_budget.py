@@ -123,6 +123,15 @@ def test_the_cache_is_confined_to_the_budget_not_the_card():
     assert b.total == b.reserved + ctx <= int(capacity * 0.9)
     assert any("set_per_process_memory_fraction(0.90)" in n for n in b.notes)
     assert any("released its cache" in n and "10% kept free" in n for n in b.notes)
+    # the largest batch, and the largest at which the cache is never released
+    clean = b.max_batch_no_release
+    assert clean < 4 <= b.max_batch
+
+    def confined(B):
+        sub, pt = r.for_point({"B": B, "S": 1000})
+        return replay(sub.train, pt, workspace=ws, limit=int(capacity * 0.9) - ctx)
+    assert not confined(clean).retries and confined(clean + 1).retries
+    assert confined(b.max_batch).oom is None and confined(b.max_batch + 1).oom is not None
 
 
 def test_units_are_explicit():

@@ -71,7 +71,7 @@ def _verdicts(out: str) -> list[dict]:
         total = re.search(r"total " + SIZE, line)
         verdict = re.search(r": (FITS|DOES NOT FIT), headroom (-?[\d.]+)%", line)
         assert total and verdict, line
-        assert re.search(r"reserved (n/a on CPU|over the card|" + SIZE + ")", line), line
+        assert re.search(r"reserved (n/a on CPU|over the budget|" + SIZE + ")", line), line
         headroom = float(verdict[2])
         # fits: total <= 90% of the capacity, i.e. headroom >= 10% (printed to 0.1%)
         assert (headroom >= 9.95) if verdict[1] == "FITS" else (headroom <= 10.05), line
