@@ -687,9 +687,7 @@ def compare_text(rows, args) -> str:
             b = r["budget"]
             row += ([human(b.reserved) if b.reserved is not None else "-", human(b.total),
                      "yes" if b.fits else "NO", f"{b.headroom:.1%}",
-                     b.max_batch if b.max_batch is not None else "-",
-                     b.max_seq if b.max_seq is not None else "-"] if b is not None else
-                    ["-"] * 6)
+                     _limit(b, "batch"), _limit(b, "seq")] if b is not None else ["-"] * 6)
         row += [human(f[k]) if k in f else "-" for k in ("parameters", "gradients",
                                                           "optimizer_states",
                                                           "activation_peak")]
@@ -704,5 +702,18 @@ def compare_text(rows, args) -> str:
     if any(f is not None and f["ranks_differ"] for _, f in ordered):
         out.append("* ranks differ: the figures are one rank's (memsim analyze ... --json "
                    "lists every group of ranks)")
+    if budgeted and any("(" in str(cell) for row in table for cell in row[6:8]):
+        out.append("(n): the largest size at which the caching allocator never releases its "
+                   "cache; above it each step frees cached segments and retries")
     out += [f"error: {n}" for n in notes]
     return "\n".join(out)
+
+
+def _limit(b, which: str) -> str:
+    """A largest size for the compare table: ``18``, or ``18 (17)`` with the largest size
+    without a release of the allocator's cache where that is smaller."""
+    v = getattr(b, f"max_{which}")
+    if v is None:
+        return "-"
+    clean = getattr(b, f"max_{which}_no_release", None)
+    return f"{v} ({clean})" if clean is not None and clean < v else str(v)
