@@ -254,7 +254,7 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
     overheads = overheads or Overheads()
     step_name = "train" if report.train is not None else "inference"
     usable = int(capacity * (1 - margin))
-    model = _Model(report, step_name, overheads, gpu.family if gpu else "unknown", usable)
+    model = _Model(report, step_name, overheads, _family(gpu), usable)
     point = dict(point or {})
     notes: list[str] = []
     missing = [n for n in report.symbols if n not in point]
@@ -270,7 +270,7 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
         notes.extend(_replay_notes(r, overheads, model.limit, margin))
         if r is not None and (r.retries or r.oom is not None):
             # what the cache takes where it may grow to the whole card
-            whole = _Model(report, step_name, overheads, model_family(gpu), capacity)
+            whole = _Model(report, step_name, overheads, _family(gpu), capacity)
             card = whole.replayed(point)
             if card is not None and card.oom is None:
                 notes.append(f"on the whole card (no margin kept free) the caching allocator "
@@ -310,7 +310,7 @@ def cache_fraction(report, point: dict[str, int], *, overheads: Overheads | None
     return (over["allocator_cache"] + over["fragmentation"]) / alloc if alloc else 0.0
 
 
-def model_family(gpu: GPU | None) -> str:
+def _family(gpu: GPU | None) -> str:
     return gpu.family if gpu else "unknown"
 
 
@@ -388,7 +388,7 @@ def sweep(report, point: dict[str, int], *, gpu: GPU | None = None, capacity: in
         return [], [], []
     capacity = gpu.bytes if (capacity is None and gpu is not None) else capacity
     step_name = "train" if report.train is not None else "inference"
-    model = _Model(report, step_name, overheads or Overheads(), model_family(gpu),
+    model = _Model(report, step_name, overheads or Overheads(), _family(gpu),
                    None if capacity is None else int(capacity * (1 - margin)))
     s_lo, s_hi = report.extent.get(seq, (2, None))
     seqs = [s for s in seqs if s >= s_lo and (s_hi is None or s <= s_hi)]

@@ -40,8 +40,9 @@ Not modelled: CUDA graphs' private pools, ``record_stream`` (its events delay a 
 other stream's work ends: FSDP2 does not call it; DeepSpeed does on CUDA, not on the CPU path
 memsim traces), ``garbage_collection_
 threshold`` (acts only under a per-process limit, which the budget sets from its margin:
-:mod:`memsim.analysis.budget`; refused by :meth:`AllocConf.parse`), and where ``cudaMalloc`` places a segment (addresses here increase; they only break ties
-between free blocks of equal size).
+:mod:`memsim.analysis.budget`; refused by :meth:`AllocConf.parse`), and where ``cudaMalloc``
+places a segment (addresses here increase; they only break ties between free blocks of equal
+size).
 
 >>> a = CachingAllocator()
 >>> x = a.malloc(1000)            # 1,024 B block, from a new 2 MiB small segment

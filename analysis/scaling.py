@@ -82,6 +82,7 @@ def curve(report, point: dict[str, int], symbol: str, *, label: str = "",
         regimes = [(v, str(c.label)) for v, c in sm.regimes(symbol, spt)]
     fits = {}
     for name, g in (capacities or {}).items():
-        m = _Model(report, step, overheads or Overheads(), g.family, int(g.bytes * (1 - margin)))
-        fits[name] = _solve(m, report, point, symbol, int(g.bytes * (1 - margin)), [])
+        usable = int(g.bytes * (1 - margin))
+        m = _Model(report, step, overheads or Overheads(), g.family, usable)
+        fits[name] = _solve(m, report, point, symbol, usable, [])
     return Curve(label, symbol, sizes, totals, allocated, regimes, fits)
