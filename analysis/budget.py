@@ -40,7 +40,7 @@ from memsim.tracer import InputError
 from .caching import AllocConf
 from .gpus import GPU, MiB
 from .reserved import Reserved, replay
-from .search import largest_true
+from .search import largest_true, last_true
 
 # CUDA context + loaded kernels with lazy module loading (the default since CUDA 12.2), per
 # family: estimates. Measured publicly: 287,047,680 B with lazy loading after one small tensor
@@ -287,11 +287,13 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
                reserved=(allocated + overhead["allocator_cache"] + overhead["cublas_workspace"]
                          if r is not None and r.oom is None else None),
                reserved_card=(card.reserved if card is not None and card.oom is None else None))
-    b.max_batch = _solve(model, report, point, batch, usable, notes)
-    b.max_seq = _solve(model, report, point, seq, usable, notes)
+    memo: dict[str, dict] = {batch: {}, seq: {}}
+    b.max_batch = _solve(model, report, point, batch, usable, notes, memo=memo[batch])
+    b.max_seq = _solve(model, report, point, seq, usable, notes, memo=memo[seq])
     if r is not None:   # replayed: where the cache needs no release, every step runs alike
-        b.max_batch_no_release = _solve(model, report, point, batch, usable, [], True)
-        b.max_seq_no_release = _solve(model, report, point, seq, usable, [], True)
+        b.max_batch_no_release = _solve(model, report, point, batch, usable, [], True,
+                                        memo[batch])
+        b.max_seq_no_release = _solve(model, report, point, seq, usable, [], True, memo[seq])
     return b
 
 
@@ -336,9 +338,11 @@ def _replay_notes(r: Reserved | None, overheads: Overheads, limit: int | None,
 
 
 def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: list,
-           no_release: bool = False):
+           no_release: bool = False, memo: dict | None = None):
     """Largest integer value of symbol ``name`` whose total fits ``usable`` (others fixed);
-    ``no_release``: and whose replay never releases the allocator's cache.
+    ``no_release``: and whose replay never releases the allocator's cache. ``memo`` keeps what
+    each size probed showed (fits, fits without a release), so that the second search starts
+    between the sizes the first one probed.
 
     Exponential search then bisection over the exact total; the answer is checked: it fits and
     the next size does not (or is beyond the model's limit). The peak grows with every size in
@@ -349,11 +353,22 @@ def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: li
         return None
     lo, hi = report.extent.get(name, (2, None))
 
+    memo = {} if memo is None else memo
+
     def fits(v: int) -> bool:
-        pt = {**point, name: v}
-        if model.total(pt) > usable:
-            return False
-        return not no_release or not getattr(model.replayed(pt), "retries", 0)
+        if v not in memo:
+            pt = {**point, name: v}
+            ok = model.total(pt) <= usable   # replays at pt (cached), where there is one
+            memo[v] = (ok, ok and not getattr(model.replayed(pt), "retries", 0))
+        return memo[v][no_release]
+
+    if no_release:
+        clean = [v for v, (_, c) in memo.items() if c and v >= lo]
+        above = [v for v, (_, c) in memo.items() if not c and clean and v > max(clean)]
+        if clean and above:
+            a = last_true(fits, max(clean), min(above))
+            assert fits(a) and not fits(a + 1)
+            return a
 
     if model.floor(point) > usable:
         notes.append(f"{name}: the model states and fixed overheads alone exceed the usable "
