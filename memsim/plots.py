@@ -11,6 +11,7 @@ import html
 import io
 from pathlib import Path
 
+from memsim.render import largest
 from memsim.tracer import UsageError
 
 # one colour per category, stable across pictures (matplotlib's tab10 order)
@@ -229,10 +230,10 @@ def report_html(title: str, text: str, tl=None, scaling=None, budget=None) -> st
                     if budget.reserved is not None else "")
         parts.append(f'<p class=verdict><b>{verdict}</b> on {html.escape(where)}: total '
                      f'{_human(budget.total)}{reserved}; headroom {budget.headroom:.1%}'
-                     + (f"; largest batch {budget.max_batch}" if budget.max_batch is not None
-                        else "")
-                     + (f"; largest sequence {budget.max_seq}" if budget.max_seq is not None
-                        else "") + ".</p>")
+                     + (f"; largest batch {html.escape(largest(budget, 'batch'))}"
+                        if budget.max_batch is not None else "")
+                     + (f"; largest sequence {html.escape(largest(budget, 'seq'))}"
+                        if budget.max_seq is not None else "") + ".</p>")
     if tl is not None:
         fig = timeline_figure(tl)
         parts.append("<h2>The step, allocation by allocation</h2>\n" + svg_of(fig))
