@@ -285,24 +285,9 @@ def _carry_over(run, live0: set, held: dict, nbytes, made_in_step) -> dict:
             s = run.storages[key[1]]
             ends.setdefault((s.category, s.stream, nbytes[key[1]]), []).append(key)
     alias = {}
-    unmatched = []
     for sid in freed0:
         s = run.storages[sid]
         got = ends.get((s.category, s.stream, nbytes[sid]))
-        if got:
-            alias[("s", sid)] = got.pop(0)
-        else:
-            unmatched.append(sid)
-    # a traced warm-up's output and loss, freed as the loop rebinds them, were classified in
-    # the setup phase (temporaries): the step's own (held at its end, activations) take their
-    # place
-    outs = (Category.ACTIVATION, Category.TEMPORARY)
-    for sid in unmatched:
-        s = run.storages[sid]
-        if s.category not in outs:
-            continue
-        got = next((keys for (cat, stream, n), keys in ends.items()
-                    if keys and cat in outs and stream == s.stream and n == nbytes[sid]), None)
         if got:
             alias[("s", sid)] = got.pop(0)
     return alias

@@ -334,16 +334,22 @@ def test_zero3_on_gpu_with_hugging_face_kv_cache():
     _need_deepspeed()
     kw = dict(zero=ZeRO(stage=3, dp=2, **BUCKETS, stage3_prefetch_bucket_size=10_000,
                         stage3_param_persistence_threshold=100), inference=False)
-    got = []
+    got, live = [], []
     for cache in (False, True):
         with torch.device("meta"):
             m = O.llama_model(use_cache=cache)
         r = strategy_analyze(m, LM, device="cuda", **kw)
         got.append(r.at(B=2, S=16)["train"]["peak"])
+        live.append(r.train.breakdown({"B": 2, "S": 16}))
     off, on = got
     # a cache's keys and values: 2 layers x (keys + values) x B 2 x 2 KV heads x S 16 x
     # head 16 x 4 bytes (1,739,264 B without it)
-    assert on == off + 2 * (2 * 2 * 2 * 2 * 16 * 16 * 4)
+    cache = 2 * 2 * 2 * 2 * 16 * 16 * 4
+    assert on == off + 2 * cache
+    # both caches are activations at the peak, the traced warm-up's as the step's own (each
+    # tensor a 512-byte block: a layer's keys or values are 4 KiB)
+    assert live[1]["activation"] == live[0]["activation"] + 2 * cache
+    assert live[1]["temporary"] == live[0]["temporary"]
 
 
 def test_zero_with_autotp_on_gpu():

@@ -54,7 +54,7 @@ from .config import StepConfig
 from .driver import Driver
 from .functions import function_rules
 from .precision import forward_context, step_context, wrap_optimizer
-from .previous import mark_held
+from .previous import mark_held, reachable_tensors
 from .records import Category, LeafRecord, OpRecord, Phase, RunRecord
 from .recorder import Recorder, as_expr, patched
 from .sources import model_source
@@ -680,6 +680,12 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
         held[:] = [out, loss]
         del out, loss
     driver.label(recorder)
+    # what the warm-up's output and loss hold is the step's kind of memory: activations, as a
+    # plain loop's previous output is, not the setup's temporaries (storage ids only: a loop
+    # variable here would keep a tensor alive into the step)
+    for sid in _held_sids(recorder, held):
+        if recorder.run.storages[sid].category is Category.TEMPORARY:
+            recorder.run.storages[sid].category = Category.ACTIVATION
     # what the warm-up left in reference cycles is collected before the step, and the
     # collector does not run inside it (as the oracle measures it)
     gc.collect()
@@ -695,6 +701,10 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
     # step, in fresh storages they keep
     _parameters_made_in_the_step(recorder, model)
     return held, call
+
+
+def _held_sids(recorder: Recorder, held) -> set[int]:
+    return {sid for sid in map(recorder.sid_of, reachable_tensors(held)) if sid is not None}
 
 
 def optimizer_factory(config) -> OptimizerFactory:
