@@ -215,3 +215,37 @@ def test_a_model_that_fails_at_every_size_names_the_sizes_and_the_hint():
         analyze(m, {"x": ("float32", ["B", "S"])}, device="cpu", hints={"B": 3, "S": 8})
     assert "--hint S=N" in str(e.value) and e.value.sizes == {"B": 3, "S": 8}
     assert "tried the larger" not in str(e.value)
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"),
+                    reason="Linux grows the main thread's stack to the soft limit of the time")
+def test_a_long_python_loops_graph_is_freed_without_overflowing_the_stack():
+    """A Python loop over S time steps chains S autograd nodes; under the symbolic run the
+    step's output frees that chain recursively in C. At S = 16,384 that overflowed Linux's
+    default 8 MiB stack (a segmentation fault, from the CLI's S sweep on zoo.Scan) where a real
+    eager run frees the same graph. memsim raises the stack's soft limit within the hard one:
+    here a child started with a 512 KiB soft limit (too small for S = 1024 without it)
+    finishes its trace."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import torch, zoo\n"
+            "from memsim.analysis import analyze\n"
+            "with torch.device('meta'):\n"
+            "    m = zoo.Scan()\n"
+            "r = analyze(m, {'x': ('float32', [2, 1024, 8])}, device='cpu', inference=False,\n"
+            "            fit=False)\n"
+            "print('peak', r.train.peak)\n")
+
+    def small_stack():
+        resource.setrlimit(resource.RLIMIT_STACK,
+                           (512 * 1024, resource.getrlimit(resource.RLIMIT_STACK)[1]))
+
+    env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, preexec_fn=small_stack, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("peak ")

@@ -321,6 +321,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
                 else "accumulate" if config.accumulate != 1 else "compiled")
         raise InputError(f"{what} is not supported with {type(driver).__name__}",
                          hint="the engine owns the training loop and its precision")
+    _room_for_deep_graphs()
     swallowed = check_inputs(model, [s.name for s in specs] + list(constants))
     if transform is not None or driver is not None:
         import copy
@@ -705,6 +706,30 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
 
 def _held_sids(recorder: Recorder, held) -> set[int]:
     return {sid for sid in map(recorder.sid_of, reachable_tensors(held)) if sid is not None}
+
+
+# the main thread's stack may grow to this (the soft limit raised within the hard one)
+DEEP_STACK = 1 << 30
+
+
+def _room_for_deep_graphs() -> None:
+    """Let the main thread's stack grow where a long Python loop's autograd graph is freed.
+
+    A loop over 16,384 time steps (``tests/zoo.py``'s ``Scan``) makes a chain of as many
+    autograd nodes; under the symbolic run, releasing the step's output frees that chain
+    recursively in C, which overflowed Linux's default 8 MiB stack: a segmentation fault at
+    S = 16,384 where a real eager run frees the same graph. Linux checks a growing main-thread
+    stack against the soft limit at the time, so raising it here gives the room (the memory is
+    only used if the recursion reaches it). Nothing happens where ``resource`` is missing, the
+    limit is already higher, or the call is refused."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+        want = DEEP_STACK if hard == resource.RLIM_INFINITY else min(DEEP_STACK, hard)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_STACK, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def optimizer_factory(config) -> OptimizerFactory:
