@@ -74,7 +74,7 @@ def mark_held(run: RunRecord, sid_of, out, loss) -> None:
     the loop drops it after the loss."""
     made = _made_in_step_and_held(run)
     for what, obj in (("output", out), ("loss", loss)):
-        for sid in _sids(obj, sid_of):
+        for sid in storage_ids(obj, sid_of):
             if sid in made and run.storages[sid].held != "loss":
                 run.storages[sid].held = what
 
@@ -159,7 +159,8 @@ def _made_in_step_and_held(run: RunRecord) -> set[int]:
             and run.storages[sid].category not in _STATE}
 
 
-def _sids(obj, sid_of) -> list[int]:
+def storage_ids(obj, sid_of) -> list[int]:
+    """The storage ids of the tensors ``obj`` holds (:func:`reachable_tensors`)."""
     if obj is None:
         return []
     return [s for s in (sid_of(t) for t in reachable_tensors(obj)) if s is not None]

@@ -54,7 +54,7 @@ from .config import StepConfig
 from .driver import Driver
 from .functions import function_rules
 from .precision import forward_context, step_context, wrap_optimizer
-from .previous import mark_held, reachable_tensors
+from .previous import mark_held, storage_ids
 from .records import Category, LeafRecord, OpRecord, Phase, RunRecord
 from .recorder import Recorder, as_expr, patched
 from .sources import model_source
@@ -684,7 +684,7 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
     # what the warm-up's output and loss hold is the step's kind of memory: activations, as a
     # plain loop's previous output is, not the setup's temporaries (storage ids only: a loop
     # variable here would keep a tensor alive into the step)
-    for sid in _held_sids(recorder, held):
+    for sid in set(storage_ids(held, recorder.sid_of)):
         if recorder.run.storages[sid].category is Category.TEMPORARY:
             recorder.run.storages[sid].category = Category.ACTIVATION
     # what the warm-up left in reference cycles is collected before the step, and the
@@ -702,10 +702,6 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
     # step, in fresh storages they keep
     _parameters_made_in_the_step(recorder, model)
     return held, call
-
-
-def _held_sids(recorder: Recorder, held) -> set[int]:
-    return {sid for sid in map(recorder.sid_of, reachable_tensors(held)) if sid is not None}
 
 
 # the main thread's stack may grow to this (the soft limit raised within the hard one)
