@@ -294,7 +294,22 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
         b.max_batch_no_release = _solve(model, report, point, batch, usable, [], True,
                                         memo[batch])
         b.max_seq_no_release = _solve(model, report, point, seq, usable, [], True, memo[seq])
+        for name, full, clean in ((batch, b.max_batch, b.max_batch_no_release),
+                                  (seq, b.max_seq, b.max_seq_no_release)):
+            if full and clean is not None and clean < full:
+                notes.append(_NOT_MONOTONE.format(name=name, clean=clean, full=full))
     return b
+
+
+# where the replayed allocator releases its cache, its live blocks fall across segments
+# otherwise from one size to the next, and running out of memory is not monotone in the size
+# (python benchmarks/limit_band.py)
+_NOT_MONOTONE = (
+    "{name}: between {clean} and {full} the replayed allocator releases its cache at some "
+    "sizes, where whether a size fits need not be monotone in the size (python "
+    "benchmarks/limit_band.py shows sizes that do not fit below one that does), and the "
+    "search replayed its answer and the next size, not every size below: check the size you "
+    "choose (--at)")
 
 
 def cache_fraction(report, point: dict[str, int], *, overheads: Overheads | None = None,
