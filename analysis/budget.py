@@ -337,8 +337,9 @@ def _replay_notes(r: Reserved | None, overheads: Overheads, limit: int | None,
         return ["reserved memory is not replayed for a report with fitted symbols: the "
                 "allocator's reserve is taken as 5% of the allocated peak (an estimate)"]
     conf = overheads.alloc_conf
+    how = f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf and conf.text else "default settings"
     out = [f"reserved memory: the step's allocations replayed through PyTorch 2.13's CUDA "
-           f"caching allocator ({'PYTORCH_CUDA_ALLOC_CONF=' + str(conf) if conf and conf.text else 'default settings'}), "
+           f"caching allocator ({how}), "
            "after a first step; the rules are read from its source, the replay has not been "
            "compared with a GPU run"]
     within = f"the card less {margin:.0%} kept free" if margin else "the card"

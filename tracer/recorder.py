@@ -18,6 +18,7 @@ import weakref
 
 import sympy
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils._sympy.functions import CeilToInt, IntTrueDiv
@@ -441,6 +442,10 @@ class Recorder(TorchDispatchMode):
             if self.module_stack:
                 self._node_module.setdefault(torch._C._autograd._get_sequence_nr() - 1,
                                              self.module_stack[-1])
+            t = args[0]
+            if isinstance(t, FakeTensor):   # what FakeTensor's own handler answers, directly
+                return torch.device("meta") if t.fake_mode.in_kernel_invocation else \
+                    t.fake_device
             return func(*args)
         flat_in = _tensors((args, kwargs), [])
         if any(local(t) is not t for t in flat_in):
