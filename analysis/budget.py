@@ -296,8 +296,8 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
         b.max_seq_no_release = _solve(model, report, point, seq, usable, [], True, memo[seq])
         for name, full, clean in ((batch, b.max_batch, b.max_batch_no_release),
                                   (seq, b.max_seq, b.max_seq_no_release)):
-            if full and clean is not None and clean < full:
-                notes.append(_NOT_MONOTONE.format(name=name, clean=clean, full=full))
+            if full and clean is not None and full - clean >= 2:
+                notes.append(_NOT_MONOTONE.format(name=name, first=clean + 1, full=full))
     return b
 
 
@@ -305,7 +305,7 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
 # otherwise from one size to the next, and running out of memory is not monotone in the size
 # (python benchmarks/limit_band.py)
 _NOT_MONOTONE = (
-    "{name}: between {clean} and {full} the replayed allocator releases its cache at some "
+    "{name}: from {first} to {full} the replayed allocator releases its cache at some "
     "sizes, where whether a size fits need not be monotone in the size (python "
     "benchmarks/limit_band.py shows sizes that do not fit below one that does), and the "
     "search replayed its answer and the next size, not every size below: check the size you "

@@ -568,14 +568,22 @@ def _rank_classes(model, fsdp, tp, sizes) -> list[tuple[int, ...]]:
     apply(m)
     root = _mesh(fsdp.dp if fsdp else 1, tp.tp if tp else 1)[2]
     names = root.mesh_dim_names
-    params = [p for p in m.parameters() if isinstance(p, DTensor)]
+    # a parameter's local shape depends only on its shape, its mesh and placements, and the
+    # rank's place on that mesh: worked out once for each, not for every parameter of every
+    # rank (Llama-3.1-405B over TP 8 x FSDP 128: 1,024 ranks x 1,137 parameters took minutes)
+    kinds = [(tuple(p.shape), tuple(p.device_mesh.shape), tuple(p.device_mesh.mesh_dim_names),
+              tuple(p.placements)) for p in m.parameters() if isinstance(p, DTensor)]
+    local: dict[tuple, tuple] = {}
     groups: dict[tuple, list[int]] = {}
     for r in range(root.size()):
         where = dict(zip(names, (root.mesh == r).nonzero()[0].tolist()))
-        sig = tuple(tuple(int(d) for d in _compute_local_shape_and_global_offset(
-            tuple(p.shape), tuple(p.device_mesh.shape),
-            [where[n] for n in p.device_mesh.mesh_dim_names], p.placements,
-            skip_offset=True)[0]) for p in params)
+        for kind in dict.fromkeys(kinds):
+            shape, mesh_shape, dims, placements = kind
+            at = (kind, tuple(where[n] for n in dims))
+            if at not in local:
+                local[at] = tuple(int(d) for d in _compute_local_shape_and_global_offset(
+                    shape, mesh_shape, list(at[1]), placements, skip_offset=True)[0])
+        sig = tuple(local[(kind, tuple(where[n] for n in kind[2]))] for kind in kinds)
         if sizes is not None and "tp" in where:
             sig += tuple(_chunk(n, tp.tp, where["tp"]) for n in sizes)
         groups.setdefault(sig, []).append(r)

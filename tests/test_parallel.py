@@ -428,6 +428,52 @@ def test_uneven_fsdp_shards_per_rank_real_run():
     assert real[0].peak - real[1].peak == 10_368
 
 
+def test_rank_classes_work_out_each_kind_of_parameter_once_per_place_on_the_mesh(monkeypatch):
+    """Ranks are grouped by every sharded parameter's local shape. Worked out for each
+    parameter of each rank, Llama-3.1-405B over TP 8 x FSDP 128 (1,024 ranks, 1,137
+    parameters) took minutes; each kind of parameter (shape, mesh, placements) is now worked
+    out once per place on its mesh: as many times for 6 blocks as for 2, and the classes are
+    those of the per-parameter reckoning (the vocabulary of 130 splits unevenly)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _utils as U
+
+    from memsim.strategies import parallel as P
+
+    real = U._compute_local_shape_and_global_offset
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(U, "_compute_local_shape_and_global_offset", counted)
+    fsdp, tp = FSDP(3), TensorParallel(2)
+    counts, classes = [], []
+    for layers in (2, 6):
+        with torch.device("meta"):
+            m = O.llama_model(layers=layers, vocab=130)
+        P._CLASSES.clear()
+        calls.clear()
+        classes.append(P.rank_classes(m, fsdp, tp))
+        counts.append(len(calls))
+        # the same grouping, every parameter of every rank reckoned on its own
+        with torch.device("meta"):
+            c = O.llama_model(layers=layers, vocab=130)
+        P.transform(fsdp, tp)(c)
+        root = P._mesh(3, 2)[2]
+        groups: dict = {}
+        for r in range(root.size()):
+            where = dict(zip(root.mesh_dim_names, (root.mesh == r).nonzero()[0].tolist()))
+            groups.setdefault(tuple(tuple(real(
+                tuple(p.shape), tuple(p.device_mesh.shape),
+                [where[n] for n in p.device_mesh.mesh_dim_names], p.placements,
+                skip_offset=True)[0]) for p in c.parameters() if isinstance(p, DTensor)),
+                []).append(r)
+        assert classes[-1] == [tuple(g) for g in groups.values()]
+    assert counts[0] == counts[1] < 6 * 20
+    assert len(classes[0]) > 1
+
+
 @pytest.mark.slow
 def test_vocab_parallel_embedding_per_rank_real_run():
     """A vocabulary of 131 split over 2 ranks (66 + 65 rows, a vocab-parallel embedding) with
