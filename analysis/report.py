@@ -35,6 +35,7 @@ from memsim.tracer import hf
 from memsim.tracer.rnn_cuda import reserve_notes
 
 from .memory import ModuleSaved, StepMemory, module_savings, step_memory
+from .peak import unevaluated_max
 
 TRAIN_FIELDS = ("peak", "activation_peak", "saved_activations", "parameters", "gradients",
                 "optimizer_states")
@@ -132,6 +133,8 @@ class _NoRetracers(pickle.Pickler):
 
 
 def _unevaluated(cls, args):
+    if cls is sympy.Max:
+        return unevaluated_max(args)
     return cls(*args, evaluate=False)
 
 

@@ -110,7 +110,12 @@ def approx(expr: sympy.Expr, point: dict[str, int] | None = None,
     if isinstance(expr, sympy.Max):
         if point is not None and symbols:
             subs = {symbols[n]: v for n, v in point.items() if n in symbols}
-            win = max(expr.args, key=lambda a: int(sympy.sympify(a).xreplace(subs)))
+            values = [int(sympy.sympify(a).xreplace(subs)) for a in expr.args]
+            top = max(values)
+            tied = [a for a, v in zip(expr.args, values) if v == top]
+            # among regimes equal here, the first in sympy's canonical order (the peak's
+            # arguments keep the trace's order: analysis.peak.unevaluated_max)
+            win = tied[0] if len(tied) == 1 else next(iter(sympy.ordered(tied)))
             return f"{approx(win)} (largest of {len(expr.args)} regimes here)"
         if len(expr.args) <= 2:
             return "max(" + ", ".join(approx(a) for a in expr.args) + ")"
