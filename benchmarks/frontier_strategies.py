@@ -1,0 +1,98 @@
+"""The `memsim` command on frontier models under the strategies people train them with.
+
+``benchmarks/scale.py`` times one analysis per model with FSDP2 or ZeRO-3 over 8 ranks. Real
+runs of these models combine strategies over hundreds of ranks, and what costs time there is
+not the trace alone: grouping 1,024 ranks by their shards, tracing each group, crossing the
+trace's guards, solving the largest sizes. This runs the command, as a user would (a new
+process each, through the ``memsim`` script's own entry point, ``--no-cache``), on Hugging
+Face configs built on meta:
+
+* Llama-3.1-405B, TP 8 x FSDP2 128 (1,024 ranks), bf16 parameters, bf16-mixed, every block
+  checkpointed, the logits dropped: ``analyze`` at B=2, S=8192, and ``fit`` on an H100 at
+  B=1, S=8192 (B=1 is below the formulas' range: traced beside them);
+* Llama-3.1-405B, FSDP2 over 512 ranks, the same settings, ``analyze`` at B=1, S=8192;
+* Llama-3-70B, TP 8 with sequence parallelism x FSDP2 8, ``analyze`` at B=2, S=8192.
+
+Each line: the command's wall time and peak RSS, its exit status (``fit`` exits 1 where the
+step does not fit). Run on demand (about 6 minutes on 2 cores)::
+
+    python benchmarks/frontier_strategies.py [--only NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = '''
+import torch, transformers
+
+def _meta(cls, cfg):
+    with torch.device("meta"):
+        return cls(cfg)
+
+def llama31_405b():
+    return _meta(transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+        num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=131072, rope_theta=500000.0))
+
+def llama3_70b():
+    return _meta(transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, rope_theta=500000.0))
+'''
+
+LM = ["--input", "input_ids=int64[B,S]", "--input", "labels=int64[B,S]"]
+COMMON = ["--precision", "bf16-mixed", "--param-dtype", "bf16", "--checkpoint", "blocks",
+          "--drop-outputs", "--no-cache", "--quiet"]
+RUNS = {
+    "405b-tp8-fsdp128-analyze": ["analyze", "models.py:llama31_405b", "--at", "B=2,S=8192",
+                                 "--tp", "8", "--fsdp", "--dp", "128"],
+    "405b-tp8-fsdp128-fit-b1": ["fit", "models.py:llama31_405b", "--at", "B=1,S=8192",
+                                "--gpu", "h100-80gb", "--tp", "8", "--fsdp", "--dp", "128"],
+    "405b-fsdp512-analyze-b1": ["analyze", "models.py:llama31_405b", "--at", "B=1,S=8192",
+                                "--fsdp", "--dp", "512"],
+    "70b-tp8-sp-fsdp8-analyze": ["analyze", "models.py:llama3_70b", "--at", "B=2,S=8192",
+                                 "--tp", "8", "--sp", "--fsdp", "--dp", "8"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=sorted(RUNS), help="one of the runs")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "models.py"), "w") as f:
+            f.write(MODELS)
+        for name, argv in RUNS.items():
+            if args.only and name != args.only:
+                continue
+            cmd = [sys.executable, "-c", "import resource, subprocess, sys; "
+                   "rc = subprocess.call(sys.argv[1:]); "
+                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+                   "sys.exit(rc)",
+                   sys.executable, "-c", "from memsim.entry import script; script()",
+                   *argv[:2], *LM, *argv[2:], *COMMON]
+            t0 = time.perf_counter()
+            try:
+                done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True,
+                                      timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{name:28} over {args.timeout} s", flush=True)
+                continue
+            took = time.perf_counter() - t0
+            rss = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "?"
+            rss = f"{int(rss) / 1024:,.0f} MiB" if rss.isdigit() else rss
+            print(f"{name:28} {took:7.1f} s  peak RSS {rss}  exit {done.returncode}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
