@@ -305,8 +305,9 @@ def as_max(cands: Sequence[Candidate]) -> sympy.Expr:
 def unevaluated_max(exprs: Sequence[sympy.Expr]) -> sympy.Expr:
     """``Max`` of ``exprs`` as given, in their order: ``sympy.Max(..., evaluate=False)`` still
     sorts its arguments by sympy's canonical key, which for the thousands of large candidates
-    of a tensor-parallel model took most of its analysis (Llama-3-70B, TP 8 with sequence
-    parallelism x FSDP 8: 14.9 of 38 s). Printers that need an order sort them themselves."""
+    of a tensor-parallel model's peak was a large part of its analysis (Llama-3-70B over TP 8
+    with sequence parallelism x FSDP 8, ``benchmarks/frontier_strategies.py``). Printers that
+    need an order sort them themselves."""
     exprs = list(dict.fromkeys(sympy.sympify(e) for e in exprs))
     if not exprs:
         return sympy.Integer(0)

@@ -159,9 +159,10 @@ def _merged(classes, reports: dict[int, Report]) -> tuple[tuple[int, ...], ...]:
 
 def _same(expr):
     """A key equal for equal formulas: the expression itself, a ``Max`` as the set of its
-    regimes (in whatever order they came). Their text was the key once; printing every regime
-    of a tensor-parallel model's peak took 94 s of Llama-3-70B's analysis under TP 8 with
-    sequence parallelism x FSDP 8."""
+    regimes (in whatever order they came). Their text was the key once; printing the thousands
+    of regimes of a tensor-parallel model's peak was most of the time of Llama-3-70B's
+    analysis over TP 8 with sequence parallelism x FSDP 8 (``benchmarks/frontier_strategies.py``,
+    which did not finish in 300 s then)."""
     if isinstance(expr, sympy.Max):
         return ("max", frozenset(expr.args))
     return expr

@@ -570,20 +570,24 @@ def _rank_classes(model, fsdp, tp, sizes) -> list[tuple[int, ...]]:
     names = root.mesh_dim_names
     # a parameter's local shape depends only on its shape, its mesh and placements, and the
     # rank's place on that mesh: worked out once for each, not for every parameter of every
-    # rank (Llama-3.1-405B over TP 8 x FSDP 128: 1,024 ranks x 1,137 parameters took minutes)
+    # rank (Llama-3.1-405B over TP 8 x FSDP 128: 1,024 ranks x 1,137 parameters took over 15
+    # minutes; benchmarks/frontier_strategies.py)
     kinds = [(tuple(p.shape), tuple(p.device_mesh.shape), tuple(p.device_mesh.mesh_dim_names),
               tuple(p.placements)) for p in m.parameters() if isinstance(p, DTensor)]
+    distinct = list(dict.fromkeys(kinds))
     local: dict[tuple, tuple] = {}
     groups: dict[tuple, list[int]] = {}
     for r in range(root.size()):
         where = dict(zip(names, (root.mesh == r).nonzero()[0].tolist()))
-        for kind in dict.fromkeys(kinds):
+        here = {}
+        for kind in distinct:
             shape, mesh_shape, dims, placements = kind
             at = (kind, tuple(where[n] for n in dims))
             if at not in local:
                 local[at] = tuple(int(d) for d in _compute_local_shape_and_global_offset(
                     shape, mesh_shape, list(at[1]), placements, skip_offset=True)[0])
-        sig = tuple(local[(kind, tuple(where[n] for n in kind[2]))] for kind in kinds)
+            here[kind] = local[at]
+        sig = tuple(here[kind] for kind in kinds)
         if sizes is not None and "tp" in where:
             sig += tuple(_chunk(n, tp.tp, where["tp"]) for n in sizes)
         groups.setdefault(sig, []).append(r)
