@@ -900,8 +900,17 @@ def _no_cuda_autocast():
                 hint="remove autocast from forward and pass precision='bf16-mixed' or "
                      "'16-mixed' (--precision), which traces autocast with CUDA's policy")
     for w in caught:
-        if "autocast" not in str(w.message).lower():
+        key = (str(w.message), w.category, w.filename, w.lineno)
+        if "autocast" not in key[0].lower() and key not in _SHOWN:
+            # once per process, as Python's default filter shows a warning once per place:
+            # every trace records its warnings anew (a 70B analysis under TP x FSDP traces
+            # 13 times and showed FSDP2's warning about a returned view 15 times)
+            _SHOWN.add(key)
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+# the model's warnings shown so far (_no_cuda_autocast)
+_SHOWN: set = set()
 
 
 def _warm_up(recorder: Recorder, opt: torch.optim.Optimizer, trainable: list,
