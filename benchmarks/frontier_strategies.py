@@ -26,27 +26,21 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-MODELS = '''
-import torch, transformers
-
-def _meta(cls, cfg):
-    with torch.device("meta"):
-        return cls(cfg)
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the command's target: scale.py's configs (this folder), built on meta
+MODELS = f"""import sys
+sys.path.insert(0, {HERE!r})
+from scale import build
 
 def llama31_405b():
-    return _meta(transformers.LlamaForCausalLM, transformers.LlamaConfig(
-        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-        num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=131072, rope_theta=500000.0))
+    return build("llama31-405b")
 
 def llama3_70b():
-    return _meta(transformers.LlamaForCausalLM, transformers.LlamaConfig(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, rope_theta=500000.0))
-'''
+    return build("llama3-70b")
+"""
 
 LM = ["--input", "input_ids=int64[B,S]", "--input", "labels=int64[B,S]"]
 COMMON = ["--precision", "bf16-mixed", "--param-dtype", "bf16", "--checkpoint", "blocks",
@@ -74,24 +68,21 @@ def main() -> None:
         for name, argv in RUNS.items():
             if args.only and name != args.only:
                 continue
-            cmd = [sys.executable, "-c", "import resource, subprocess, sys; "
-                   "rc = subprocess.call(sys.argv[1:]); "
-                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
-                   "sys.exit(rc)",
-                   sys.executable, "-c", "from memsim.entry import script; script()",
+            cmd = [sys.executable, "-c", "from memsim.entry import script; script()",
                    *argv[:2], *LM, *argv[2:], *COMMON]
             t0 = time.perf_counter()
-            try:
-                done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True,
-                                      timeout=args.timeout)
-            except subprocess.TimeoutExpired:
+            proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            timer = threading.Timer(args.timeout, proc.kill)
+            timer.start()
+            _, status, usage = os.wait4(proc.pid, 0)    # as scale.py's run_child: its RSS
+            timer.cancel()
+            took = time.perf_counter() - t0
+            if took >= args.timeout:
                 print(f"{name:28} over {args.timeout} s", flush=True)
                 continue
-            took = time.perf_counter() - t0
-            rss = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "?"
-            rss = f"{int(rss) / 1024:,.0f} MiB" if rss.isdigit() else rss
-            print(f"{name:28} {took:7.1f} s  peak RSS {rss}  exit {done.returncode}",
-                  flush=True)
+            print(f"{name:28} {took:7.1f} s  peak RSS {usage.ru_maxrss / 1024:,.0f} MiB  "
+                  f"exit {os.waitstatus_to_exitcode(status)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,27 +23,22 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
+import scale  # noqa: E402  (this folder: the models' configs)
 from memsim.analysis.budget import Overheads, _Model, plan  # noqa: E402
 from memsim.analysis.gpus import gpu  # noqa: E402
 from memsim.strategies import FSDP  # noqa: E402
 from memsim.strategies.api import analyze  # noqa: E402
-
-LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                  max_position_embeddings=8192, rope_theta=500000.0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--below", type=int, default=24, help="sizes below the answer to replay")
     args = ap.parse_args()
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA3_70B))
+    model = scale.build("llama3-70b")
     report = analyze(model, {"input_ids": ("int64", ["B", "S"]),
                              "labels": ("int64", ["B", "S"])},
                      fsdp=FSDP(64, param_dtype="bfloat16"), precision="bf16-mixed",
