@@ -415,10 +415,12 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
     out = [f"memsim {VERSION} — device modelled: {report.device} "
            f"({DEVICE_NOTES[report.device]}); precision {report.precision}"
            + (f"; {report.accumulate} micro-batches per step" if report.accumulate > 1 else "")
-           + ("; the loop drops the forward output once the loss exists (--drop-outputs)"
+           + ("; the loop drops the forward output once the loss exists, and in inference "
+              "before the next forward (--drop-outputs)"
               if report.config.loop is Loop.DROP else
-              "; the loop keeps the forward output to the end of the step (a plain loop; "
-              "--drop-outputs for Trainer-style loops)"),
+              "; the loop keeps the forward output to the end of the step, and in inference "
+              "until the next forward returns (a plain loop; --drop-outputs for Trainer-style "
+              "loops)"),
            f"formulas in bytes, valid for {_range_text(report)}"
            + (f"; evaluated at {', '.join(f'{k}={v}' for k, v in {**report.fixed, **point}.items())}"
               if point is not None else "")]

@@ -42,7 +42,8 @@ def check(report, factory, inputs, points, *, module_name=None, real_inputs=None
                 assert saved == real_saved, \
                     f"saved per module at {pt}: predicted {saved}, measured {real_saved}"
         if report.inference is not None:
-            mi = measure_inference(real, x, kw.get("precision", "32-true"))
+            mi = measure_inference(real, x, kw.get("precision", "32-true"),
+                                   kw.get("keep_outputs", True))
             assert got["inference"]["peak"] == mi, \
                 f"inference at {pt}: predicted {got['inference']['peak']}, measured {mi}"
 

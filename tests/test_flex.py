@@ -68,8 +68,8 @@ def test_cuda_compiled_training_allocates_the_fused_kernels_buffers(kv_heads):
 def test_cuda_compiled_peaks_equal_the_hand_derivation():
     """The peaks of zoo.CompiledFlexAttention (d=64, 4 heads of 16, fp32, AdamW) on
     --device cuda, from the buffers of Inductor's lowering, each in 512-byte blocks
-    (n = B*S): inference peaks at the forward kernel (short sequences) or at the projection;
-    training at the backward kernel."""
+    (n = B*S): inference peaks at the forward kernel (short sequences) or at the projection,
+    with the loop's previous output alive; training at the backward kernel."""
     report = analyze(_meta(zoo.CompiledFlexAttention), SEQ, device="cuda")
     params = 2 * 16384 + 32768 + 3 * 512  # q, proj: 64x64 + 64; kv: 64x128 + 128 (fp32)
     assert params == 67072
@@ -79,8 +79,9 @@ def test_cuda_compiled_peaks_equal_the_hand_derivation():
         kv = _blocks(512 * n)                          # (B, S, 128)
         stat = _blocks(16 * n)                         # (B, 4, S) fp32
         mask = 2 * 512                                 # the default BlockMask's two int32
-        kernel = params + x + q + kv + out + 2 * stat + mask
-        projection = params + x + q + kv + out + proj
+        prev = _blocks(256 * n)                        # the loop's previous output
+        kernel = params + x + q + kv + out + 2 * stat + mask + prev
+        projection = params + x + q + kv + out + proj + prev
         got = report.at(B=b, S=s)
         assert got["inference"]["peak"] == max(kernel, projection), (b, s)
         if n >= 1024:
@@ -124,13 +125,15 @@ def _profiled(model, inputs: dict) -> tuple[int, list]:
     profiler (every buffer: ATen's, Inductor's and its C++ kernels' work buffers): the most
     bytes live at once (the parameters and inputs, and the largest sum of allocations during
     the call), and the sizes allocated inside the compiled region, in order. The first call
-    compiles; the second is measured."""
+    compiles; the second is measured, in a loop that rebinds ``out``: the first call's output
+    is alive until the second returns."""
     from torch.profiler import ProfilerActivity, profile
 
     held = {id(t.untyped_storage()): t.untyped_storage().nbytes()
             for t in [*model.parameters(), *model.buffers(), *inputs.values()]}
     with torch.no_grad():
-        model(**inputs)
+        out = model(**inputs)
+        held[id(out.untyped_storage())] = out.untyped_storage().nbytes()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = model(**inputs)
     changes, compiled = [], []

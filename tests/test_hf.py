@@ -334,6 +334,25 @@ def test_previous_steps_output_is_alive_until_the_loop_rebinds_it():
     assert len(ghosts) == 1 + 2 * 2 + 1
 
 
+def test_inference_loop_holds_the_previous_output():
+    """An evaluation loop rebinds ``out = model(**batch)`` too: the previous forward's logits
+    and KV cache (``use_cache=True`` in ``eval()``) are alive until the next forward returns.
+    Kept and dropped, the prediction equals a real loop of two forwards (the second measured,
+    tests/oracles/measure.py); kept is above dropped by exactly the previous output's
+    storages: fp32 logits (B, S, 50), per layer the cache's keys and values (B, 4, S, 16), and
+    the loss (the inputs have labels)."""
+    on = functools.partial(_mha_llama, True)
+    peaks = {}
+    for keep in (True, False):
+        report = predict(on, LM, keep_outputs=keep, inference=True, train=False)
+        check(report, on, LM, grid(B=(3,), S=(40, 100)), keep_outputs=keep)
+        peaks[keep] = report.at(B=3, S=40)["inference"]["peak"]
+        ghosts = [s for s in report.inference.trace.run.storages
+                  if s.op.startswith("<previous")]
+        assert {s.op for s in ghosts} == ({"<previous output>"} if keep else set())
+    assert peaks[True] - peaks[False] == 4 * (3 * 40 * 50 + 2 * 2 * 3 * 4 * 40 * 16 + 1)
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["dropped", "kept"])
 def test_peft_wrapped_llama_matches_real_run(keep):
     """A Llama wrapped by peft's own get_peft_model (LoRA on q_proj and v_proj, the base

@@ -72,8 +72,9 @@ def _account(kind, layers, dirs, e, b, s):
     # _cudnn_rnn_backward_weight: dy gone, x copied again, dw
     step3 = step2 - dy + dw
     # inference (eval, no grad): no reserve; the peak is inside _cudnn_rnn: token ids,
-    # embedding, zero states, x copy, output, hy (and cy), weight_buf (bf16)
-    inference = tokens + 2 * emb + 2 * n_states * states + out + weight_buf
+    # embedding, zero states, x copy, output, hy (and cy), weight_buf (bf16), and the loop's
+    # previous output (the sum: one element), alive until this forward returns
+    inference = tokens + 2 * emb + 2 * n_states * states + out + weight_buf + scalar
     return {"saved_activations": saved, "activation_peak": step2, "gradients": grads,
             "peak_backward": max(step2, step3), "inference": inference}
 

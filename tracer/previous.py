@@ -16,9 +16,12 @@ forward runs before the measured step), so the run gets, for each storage the me
 own output and loss hold at its end, one of the same size, category and stream that is alive
 when the step starts (:attr:`Storage.op` ``"<previous output>"`` or ``"<previous loss>"``) and
 released where the loop rebinds the name: as the first forward returns (before the loss
-phase's mark), and as the first loss is computed (before the backward phase's mark). A
-library's loop (:class:`~memsim.tracer.driver.Driver`) traces its warm-up step's forward, and
-keeps that step's output and loss itself (:mod:`memsim.tracer.step`).
+phase's mark), and as the first loss is computed (before the backward phase's mark). An
+inference loop (``out = model(**batch)`` under ``torch.no_grad()``) rebinds ``out`` the same
+way: the previous forward's output is alive through the forward and released as it returns,
+after the new output exists (at the run's end). A library's loop
+(:class:`~memsim.tracer.driver.Driver`) traces its warm-up step's forward, and keeps that
+step's output and loss itself (:mod:`memsim.tracer.step`).
 """
 
 from __future__ import annotations
@@ -83,14 +86,20 @@ def held_items(run: RunRecord) -> list[tuple[str, list[int], int]]:
     """``(what, storages, release)`` for the previous step's output and loss: the storages
     flagged :attr:`Storage.held` that are alive at the run's end, and the index of the event
     before which the loop releases their copies (the first loss and backward marks of the
-    measured step); empty where the run has neither."""
+    measured step; an inference run's end); empty where nothing is held."""
     loss_at = _first_mark(run, Phase.BACKWARD)
     out_at = _first_mark(run, Phase.LOSS)
-    if loss_at is None or out_at is None:
+    if out_at is None and loss_at is None and run.marks:
+        # inference (a forward only): the loop's `out = model(...)` releases the previous
+        # output as the forward returns, after the new output exists
+        out_at = len(run.events)
+    if out_at is None:
         return []
     made = _made_in_step_and_held(run)
     got = []
     for what, at in (("output", out_at), ("loss", loss_at)):
+        if at is None:
+            continue
         sids = [s.sid for s in run.storages if s.held == what and s.sid in made]
         if sids:
             got.append((what, sids, at))

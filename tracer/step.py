@@ -350,6 +350,10 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
                 # what the loop's names hold at the end: the next step's previous output and
                 # loss (memsim.tracer.trace adds them to the finished run)
                 mark_held(record, recorder.sid_of, held[0], held[1])
+            elif not train and config.keep_outputs:
+                # an inference loop rebinds `out` too: the previous forward's output is alive
+                # until the next forward returns
+                mark_held(record, recorder.sid_of, held[0], None)
             record.specialized = list(recorder.specialized)
             record.assumed = list(tracker.assumed)
             del held
@@ -650,7 +654,9 @@ def _parameters_made_in_the_step(recorder: Recorder, model) -> None:
 
 def _inference(stack, recorder: Recorder, model, inputs: dict, constants: dict, config,
                driver=None):
-    """``model.eval()`` and one forward under ``torch.no_grad()``."""
+    """``model.eval()`` and one forward under ``torch.no_grad()`` (the previous forward's
+    output, which a loop holds until this one returns, is added to the finished run:
+    :mod:`memsim.tracer.previous`)."""
     _record(stack, recorder, model, inputs, config)
     call = _forward(model, recorder, config)
     recorder.run.start = len(recorder.run.events)

@@ -393,8 +393,12 @@ def measure_train(model: torch.nn.Module, inputs: dict, *, loss_fn=None, optimiz
                        {k: v for k, v in saved_by_module.items() if v}, series)
 
 
-def measure_inference(model: torch.nn.Module, inputs: dict, precision: str = "32-true") -> int:
-    """Peak live bytes of one real CPU forward under ``torch.no_grad()`` in eval mode."""
+def measure_inference(model: torch.nn.Module, inputs: dict, precision: str = "32-true",
+                      keep_outputs: bool = True) -> int:
+    """Peak live bytes of a real CPU forward under ``torch.no_grad()`` in eval mode, in a loop
+    that rebinds ``out = model(**inputs)`` (``keep_outputs``): the previous forward's output is
+    alive until the next forward returns, so a first forward runs before the one measured.
+    ``keep_outputs=False``: a loop that drops the output before the next forward."""
     param_dtype, autocast, _, _ = _MODES[precision]
     if param_dtype != torch.float32:
         model.to(param_dtype)
@@ -408,8 +412,20 @@ def measure_inference(model: torch.nn.Module, inputs: dict, precision: str = "32
             if isinstance(v, torch.Tensor):
                 c.add(v)
         c.peak = c.cur
-        with torch.no_grad(), torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-            out = model(**inputs)
+
+        def forward():
+            # autocast per forward, as memsim models it (Lightning's loop enters it per step):
+            # its cache of cast weights ends with each forward
+            with torch.no_grad(), torch.autocast("cpu", dtype=autocast,
+                                                 enabled=autocast is not None):
+                return model(**inputs)
+
+        out = forward()
+        if not keep_outputs:
+            del out
+            out = None
+        c.peak = c.cur
+        out = forward()
         del out
     c.close()
     model.train()
