@@ -12,11 +12,11 @@ memory), :mod:`~memsim.analysis.budget` and :mod:`~memsim.analysis.gpus` (a step
 from .caching import AllocConf, AllocatorOOM, CachingAllocator
 from .fit import Fit, FittedReport
 from .memory import ModuleSaved, PeakPoint, StepMemory
-from .report import (TRAIN_FIELDS, Regime, Report, Retracer, analyze, cross_guards, fix_inputs,
-                     pinning_fixed)
+from .report import (TRAIN_FIELDS, Regime, Report, Retracer, analyze, cross_conditions,
+                     cross_guards, fix_inputs, pinning_fixed)
 from .reserved import Reserved, replay
 
-__all__ = ["analyze", "cross_guards", "pinning_fixed", "Report", "FittedReport", "Fit", "Regime",
+__all__ = ["analyze", "cross_guards", "cross_conditions", "pinning_fixed", "Report", "FittedReport", "Fit", "Regime",
            "Retracer", "StepMemory",
            "ModuleSaved", "PeakPoint", "TRAIN_FIELDS", "fix_inputs", "AllocConf",
            "AllocatorOOM", "CachingAllocator", "Reserved", "replay"]

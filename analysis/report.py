@@ -206,6 +206,10 @@ class Report:
     checked : dict of str to tuple of int
         Example sizes each symbol was traced at whose formulas equal these (across guards of
         the code path that change nothing), so that the ranges reach past those guards.
+    sides : tuple of Report
+        The other side of a trace condition on one symbol's residues (``Ne(Mod(B, 2), 0)``:
+        DTensor shards a dimension evenly or not), where its formulas differ from these
+        (:func:`cross_conditions`); :meth:`for_point` answers there from it.
     retracer : Retracer or None
         How to trace again with sizes fixed (:meth:`for_point`); None: this report cannot.
     """
@@ -220,6 +224,7 @@ class Report:
     notes: tuple[str, ...] = ()
     regimes: tuple[Regime, ...] = ()
     checked: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    sides: tuple["Report", ...] = field(default=(), repr=False)
     retracer: Retracer | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -317,11 +322,25 @@ class Report:
         need = self.needs_retrace(point) if self.retracer is not None else {}
         if not need:
             return self, dict(point)
+        side = self._side_for(point)
+        if side is not None:
+            return self._counterpart(side), dict(point)
         moved = {n: v for n, v in need.items() if v >= 2 and not self._inside(n, v)}
         sub = self._across(*next(iter(moved.items()))) if moved else \
             self.retracer(need, self.fixed)
         sub = self._counterpart(sub)
         return sub.for_point({k: x for k, x in point.items() if k in sub.symbols})
+
+    def _side_for(self, point: Mapping[str, int]) -> "Report | None":
+        """The side of this report (:attr:`sides`, theirs in turn) whose formulas cover
+        ``point``, or None."""
+        todo = list(self.sides)
+        while todo:
+            side = todo.pop(0)
+            if not side.needs_retrace(point):
+                return side
+            todo += side.sides
+        return None
 
     def _counterpart(self, other: "Report") -> "Report":
         """``other`` (an analysis traced again) as this report stands for it: itself here; a
@@ -362,6 +381,9 @@ class Report:
         where a trace condition is false) is an :class:`OutOfRangeError` naming
         :meth:`for_point`, which traces it."""
         fix = self.needs_retrace(point) if self.retracer is not None else {}
+        side = self._side_for(point) if fix else None
+        if side is not None:
+            return self._counterpart(side).at(**point)
         if fix:
             where = ", ".join(f"{k}={v}" for k, v in fix.items())
             outside = [f"{lo} <= {n}" + (f" <= {hi}" if hi is not None else "")
@@ -418,8 +440,8 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         The symbols of the user's inputs that ``inputs`` gives as integers (set when a report
         traces a point again: :meth:`Report.for_point`).
     explore : bool
-        Follow each symbol past the guards of the code path up to the model's own limit
-        (:func:`cross_guards`: one more trace per guard).
+        Follow each symbol past the guards of the code path up to the model's own limit, and
+        across the conditions on its residues (:func:`cross_guards`: one more trace per guard).
     fit : bool
         Where the model's code pins a symbol (:class:`~memsim.tracer.SpecializationError`),
         fit its formulas from traces with it fixed (:mod:`memsim.analysis.fit`: a
@@ -561,11 +583,13 @@ def cross_guards(report: Report) -> Report:
     size past it (:func:`probe_size`): where the formulas are the same, the range reaches on
     (:attr:`Report.checked` keeps the sizes traced); where they differ, the other side is a
     :class:`Regime`. A trace that fails past a guard (the model's own check) ends the range
-    there, with a note. ``--compiled`` reports are not explored (the partition depends on the
-    sizes it is chosen at).
+    there, with a note. The trace conditions on one symbol's residues are crossed first
+    (:func:`cross_conditions`). ``--compiled`` reports are not explored (the partition depends
+    on the sizes it is chosen at).
     """
     if report.retracer is None or report.config.compiled:
         return report
+    report = cross_conditions(report)
     widened: dict[str, int | None] = {}
     checked: dict[str, tuple[int, ...]] = {}
     regimes: list[Regime] = []
@@ -634,6 +658,151 @@ def cross_guards(report: Report) -> Report:
         train, inference = _widened(train, name, hi), _widened(inference, name, hi)
     return replace(report, train=train, inference=inference, regimes=tuple(regimes),
                    checked=checked, notes=tuple(report.notes) + tuple(notes))
+
+
+MAX_PERIOD = 256   # residues of a symbol checked for a condition's cover, at most
+
+
+def _residue_conditions(report: Report, name: str) -> list:
+    """The trace conditions on symbol ``name`` alone that are not bounds: conditions on its
+    residues (``Ne(Mod(B, 2), 0)``, ``Ne(-S + 2*((S + 1)//2), 0)``)."""
+    from memsim.tracer.trace import _is_bound
+    sym = report.symbols[name]
+    out = []
+    for step in (report.train, report.inference):
+        for c in step.trace.conditions if step is not None else ():
+            if c.free_symbols == {sym} and not _is_bound(c) and c not in out:
+                out.append(c)
+    return out
+
+
+def _period(conds: list) -> int | None:
+    """A period of the truth of ``conds`` in their symbol: the least common multiple of the
+    moduli and divisors in them (None: none found, or over :data:`MAX_PERIOD`)."""
+    ks = []
+    for c in conds:
+        for node in sympy.preorder_traversal(c):
+            name = type(node).__name__
+            if name in ("Mod", "PythonMod", "FloorDiv", "CleanDiv") and len(node.args) == 2:
+                k = node.args[1]
+            elif name == "floor":
+                k = sympy.fraction(sympy.together(node.args[0]))[1]
+            else:
+                continue
+            if not (k.is_Integer and k > 0):
+                return None
+            ks.append(int(k))
+    m = sympy.ilcm(*ks) if len(ks) > 1 else (ks[0] if ks else None)
+    return int(m) if m is not None and m <= MAX_PERIOD else None
+
+
+def _holds(conds: list, sym, x: int) -> bool:
+    return all(c.xreplace({sym: x}) is sympy.true for c in conds)
+
+
+def _covers(report: Report, sub: Report, name: str, conds: list) -> bool:
+    """Whether ``report`` and ``sub`` (traced across ``conds``, the residue conditions of
+    ``name``) hold on the same range, under the same other conditions, and between them on
+    every residue of ``name`` (over the period of both sides' residue conditions)."""
+    sym, (lo, hi) = report.symbols[name], report.ranges[name]
+    theirs = _residue_conditions(sub, name)
+    # the conditions of one side only (both sides' own are among the rest)
+    mine, others = [c for c in conds if c not in theirs], [c for c in theirs if c not in conds]
+    period = _period(mine + others)
+    if period is None or sub.ranges[name] != (lo, hi):
+        return False
+    rest = [{c for c in step.trace.conditions if not (c in mine or c in others)}
+            for step in (report.train, report.inference, sub.train, sub.inference)
+            if step is not None]
+    if any(r != rest[0] for r in rest):
+        return False
+    start = max(lo, 2)
+    return all(_holds(mine, sym, x) or _holds(others, sym, x)
+               for x in range(start, start + period) if hi is None or x <= hi)
+
+
+def cross_conditions(report: Report, skip: frozenset = frozenset(), root: Report | None = None,
+                     moved: Mapping[str, int] | None = None) -> Report:
+    """``report`` with each symbol's residue conditions crossed.
+
+    A trace condition on one symbol's residues (DTensor shards a dimension of size B over two
+    ranks evenly or not: ``Ne(Mod(B, 2), 0)`` at the example size B = 5) makes the formulas
+    hold on part of the sizes only, and every even B was traced again with B fixed. It is
+    crossed by tracing once more at the next example size where the symbol's residue
+    conditions are all false. Where the two traces' residue conditions cover every residue
+    (checked over their period) and the rest agree: with the same figures (the same
+    allocations and releases, in order, of the same sizes), the conditions change nothing and
+    are dropped; with others, the second trace is a side of this report (:attr:`Report.sides`)
+    that :meth:`Report.for_point` and :meth:`Report.at` answer from, its own conditions on the
+    other symbols crossed in turn (``skip``: the symbols a side was made for; ``root``, ``moved``:
+    the report whose retracer traces them all, and the example sizes that made this side)."""
+    root, moved = root or report, dict(moved or {})
+    sides = list(report.sides)
+    notes: list[str] = []
+    hints = (report.train or report.inference).trace.hints
+    for name in report.symbols:
+        if name not in report.ranges or name not in hints or name in skip:
+            continue
+        conds = _residue_conditions(report, name)
+        if not conds:
+            continue
+        sym, (lo, hi) = report.symbols[name], report.ranges[name]
+        limit = report.limit(name)
+        taken = set(hints.values())
+        # past the example size and three periods (a dimension split over 8 ranks at S = 8 would
+        # hold one token per rank: size-1 dimensions, a code path of their own)
+        start = max(hints[name] + 1, 3 * (_period(conds) or 1))
+        near = [x for x in range(start, start + MAX_PERIOD)
+                if x not in taken and (hi is None or x <= hi) and (limit is None or x <= limit)]
+        # where every residue condition is false (the other side of all of them), else any
+        hint = next((x for x in near if not any(c.xreplace({sym: x}) is sympy.true
+                                                for c in conds)), None) or \
+            next((x for x in near if not _holds(conds, sym, x)), None)
+        if hint is None:
+            continue
+        try:
+            sub = root.retracer.moved({**moved, name: hint}, root.fixed)
+        except TraceError:
+            continue
+        if name not in sub.ranges or sub.symbols.keys() != report.symbols.keys() or \
+                sub.needs_retrace({**hints, name: hint}):
+            continue   # the trace does not hold at its own example size
+        if _covers(report, sub, name, conds) and _same_timelines(report, sub):
+            gone = [c for c in conds if c not in _residue_conditions(sub, name)]
+            report = _without(report, gone)
+            report = replace(report, checked={**report.checked, name: tuple(
+                dict.fromkeys((*report.checked.get(name, (hints[name],)), hint)))})
+            notes.append(f"{name}: the trace's conditions {', '.join(map(str, gone))} change "
+                         f"nothing (traced again at {name}={hint}, the same figures)")
+        else:
+            sides.append(cross_conditions(sub, skip | {name}, root, {**moved, name: hint}))
+            notes.append(f"{name}: sizes like {name}={hint}, where a condition of the trace "
+                         f"({', '.join(str(c) for c in conds if c.xreplace({sym: hint}) is not sympy.true)}) "
+                         "is false, take a code path of their own: answered from a trace at "
+                         f"{name}={hint} where its conditions hold")
+    if not notes:
+        return report
+    return replace(report, sides=tuple(sides), notes=tuple(report.notes) + tuple(notes))
+
+
+def _same_timelines(a: Report, b: Report) -> bool:
+    for x, y in ((a.train, b.train), (a.inference, b.inference)):
+        if (x is None) != (y is None) or (x is not None and _timeline(x) != _timeline(y)):
+            return False
+    return True
+
+
+def _without(report: Report, conds: list) -> Report:
+    """``report`` with the trace conditions ``conds`` dropped from its steps."""
+    def drop(step):
+        if step is None:
+            return None
+        kept = [c for c in step.trace.conditions if c not in conds]
+        gone = {str(c) for c in conds}
+        return replace(step, trace=replace(step.trace, conditions=kept,
+                                           guards=[g for g in step.trace.guards
+                                                   if g not in gone]))
+    return replace(report, train=drop(report.train), inference=drop(report.inference))
 
 
 def _compiled_notes(config: StepConfig, step: StepMemory) -> list[str]:

@@ -394,6 +394,28 @@ def test_sequence_parallel_llama_matches_real_gloo_run(attn):
         assert (real[0].peak > real[1].peak) == bool(s % 2)
 
 
+def test_parity_conditions_of_tensor_parallelism_are_crossed():
+    """DTensor shards a dimension evenly or not: at the odd example sizes (B = 5, S = 7) the
+    traces assumed ``Ne(Mod(B, 2), 0)`` (TP: the reshape around each linear layer) and, with
+    sequence parallelism, S odd too, so every even B or S (nearly every size people run) was
+    traced again with that size fixed. Crossed (analysis/report.py: cross_conditions): TP's
+    condition changes nothing and is dropped; sequence parallelism's even S is another code
+    path (both ranks hold S/2), answered from its own symbolic trace (a side of the report).
+    Every figure equals the analysis traced at the point's fixed sizes. The real 2-rank runs
+    at even sizes: test_tp_llama_matches_real_gloo_run, test_sequence_parallel_..."""
+    factory = functools.partial(O.llama_model, attn="sdpa")
+    for tp in (TensorParallel(2), TensorParallel(2, sequence_parallel=True)):
+        report = _predict(factory, LM, tp=tp)
+        sp = tp.sequence_parallel
+        assert bool(report.sides) == sp, report.notes
+        assert not any("Mod(B" in str(c) for c in report.train.trace.conditions)
+        for b, s in ((2, 16), (4, 33)) if sp else ((2, 16),):
+            fixed = _predict(factory, {k: ("int64", [b, s]) for k in LM}, tp=tp)
+            assert report.at(B=b, S=s) == fixed.at(), (tp, b, s)
+            sub, _ = report.for_point({"B": b, "S": s})
+            assert not sub.fixed   # a formula, not a trace at that size
+
+
 def _per_rank(report, real, point, other=None, activations=True):
     """Each group of ranks in ``report.ranks`` (every rank, where all are equal) against every
     real rank it stands for, every figure. ``other``: the bytes the oracle finds live besides

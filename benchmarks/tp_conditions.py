@@ -1,0 +1,61 @@
+"""What crossing tensor parallelism's parity conditions costs and gives (``analysis/report.py``:
+``cross_conditions``).
+
+At its odd example sizes (B = 5, S = 7) a trace under tensor parallelism assumes
+``Ne(Mod(B, 2), 0)`` (DTensor's reshape rule around each linear layer), and with sequence
+parallelism S odd too. memsim crosses them: one more trace per condition, and a *side* of the
+report where the other side's figures differ. This times ``analyze`` on a 2-layer Llama
+(hidden 64, Hugging Face's SDPA attention: ``tests/oracles/dist.py``'s ``llama_model``) over TP 2
+and TP 2 with SP, on the CPU, with the crossing and without it (``cross_conditions`` replaced by
+the identity in this process), and how many points of the 16 of a sweep (B 1-8 x S 16-128, even
+and odd) each answers from its formulas, without tracing again. Run on demand (about a minute on
+2 cores)::
+
+    python benchmarks/tp_conditions.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import torch  # noqa: E402
+
+import oracles.dist as O  # noqa: E402  (tests/oracles: the real runs' models)
+from memsim.analysis import report as R  # noqa: E402
+from memsim.strategies import TensorParallel  # noqa: E402
+from memsim.strategies.api import analyze  # noqa: E402
+
+LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
+POINTS = [(b, s) for b in (2, 3, 4, 8) for s in (16, 33, 64, 128)]
+
+
+def main() -> None:
+    cross = R.cross_conditions
+    print(f"{'strategy':<10} {'crossing':<9} {'analyze':>8} {'points from formulas':>21}")
+    try:
+        for tp in (TensorParallel(2), TensorParallel(2, sequence_parallel=True)):
+            for on in (False, True):
+                R.cross_conditions = cross if on else (lambda report, *a, **k: report)
+                with torch.device("meta"):
+                    model = O.llama_model(attn="sdpa")
+                t0 = time.perf_counter()
+                report = analyze(model, LM, device="cpu", inference=False, tp=tp)
+                took = time.perf_counter() - t0
+                covered = sum(not report.needs_retrace({"B": b, "S": s})
+                              or report._side_for({"B": b, "S": s}) is not None
+                              for b, s in POINTS)
+                name = "TP 2 + SP" if tp.sequence_parallel else "TP 2"
+                print(f"{name:<10} {'on' if on else 'off':<9} {took:>6.1f} s "
+                      f"{covered:>14} of {len(POINTS)}", flush=True)
+    finally:
+        R.cross_conditions = cross
+
+
+if __name__ == "__main__":
+    main()
