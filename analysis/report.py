@@ -754,11 +754,11 @@ def cross_conditions(report: Report, skip: frozenset = frozenset(), root: Report
         start = max(hints[name] + 1, 3 * (_period(conds) or 1))
         near = [x for x in range(start, start + MAX_PERIOD)
                 if x not in taken and (hi is None or x <= hi) and (limit is None or x <= limit)]
-        # where every residue condition is false (the other side of all of them), else any
-        hint = next((x for x in near if not any(c.xreplace({sym: x}) is sympy.true
-                                                for c in conds)), None) or \
-            next((x for x in near if not _holds(conds, sym, x)), None)
-        if hint is None:
+        # where the most residue conditions are false (the other side of as many as can be:
+        # S = 32, not 30, for sequence parallelism over 8 ranks at S = 29), the first such
+        false = {x: sum(c.xreplace({sym: x}) is not sympy.true for c in conds) for x in near}
+        hint = max(near, key=lambda x: (false[x], -x)) if near else None
+        if hint is None or not false[hint]:
             continue
         try:
             sub = root.retracer.moved({**moved, name: hint}, root.fixed)

@@ -84,6 +84,7 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
                                 fixed=fixed, explore=explore, fit=fit, points=points)
     for s in given.values():
         s.validate(given, config)
+    config = _sequence_hints(config, inputs, given.get("tp"))
     retracer = Retracer(analyze, model, inputs, config, dict(
         strategies=tuple(given.values()), train=train, inference=inference))
     retracer.beside(points, fixed)
@@ -132,6 +133,35 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
             # any report is handed out (the reports are frozen from then on)
             object.__setattr__(rep, "rank_classes", rows)
     return out
+
+
+def _sequence_hints(config: StepConfig, inputs: dict, tp) -> StepConfig:
+    """Example sizes for the sequence under sequence parallelism over ``t`` ranks: the default
+    (S = 7) split over 8 ranks leaves each rank one token or none, a code path of its own whose
+    formulas hold up to S = 7 only (Llama-3-70B over TP 8 + SP was traced again at every size
+    asked for). Each symbol of the inputs' sequence dimension not given one gets a prime above
+    3t (7 for t = 2, the default already; 29 for t = 8)."""
+    from memsim.tracer import is_tensor_spec, make_spec
+    if tp is None or not tp.sequence_parallel:
+        return config
+    names = []
+    for name, value in inputs.items():
+        if is_tensor_spec(value):
+            shape = make_spec(name, value).shape
+            d = tp.sequence_dim
+            if -len(shape) <= d < len(shape) and isinstance(shape[d], str) \
+                    and shape[d] not in config.hints and shape[d] not in names:
+                names.append(shape[d])
+    if not names:
+        return config
+    hints, p = dict(config.hints), 3 * tp.tp
+    for n in names:
+        p = int(sympy.nextprime(p))
+        while p in hints.values():
+            p = int(sympy.nextprime(p))
+        if p > 7:   # not below the default
+            hints[n] = p
+    return config.replace(hints=hints) if hints != dict(config.hints) else config
 
 
 def _sizes(report: Report, inputs: dict, fixed: Mapping[str, int] | None) -> list[int]:

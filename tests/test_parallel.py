@@ -416,6 +416,25 @@ def test_parity_conditions_of_tensor_parallelism_are_crossed():
             assert not sub.fixed   # a formula, not a trace at that size
 
 
+def test_sequence_parallel_over_many_ranks_traces_a_sequence_longer_than_the_ranks():
+    """At the default example size S = 7, a sequence split over 8 ranks leaves each rank one
+    token or none: a code path whose formulas held up to S = 7 only, so every S people run was
+    traced again at its size. Under SP over t ranks the sequence's symbol gets a prime above 3t
+    (29 for t = 8; 7, the default, for t = 2); a size given stays (strategies/api.py)."""
+    from memsim.strategies.api import _sequence_hints
+    from memsim.tracer import StepConfig
+    cfg = StepConfig(device="cpu")
+    assert _sequence_hints(cfg, LM, TensorParallel(8, sequence_parallel=True)).hints == {"S": 29}
+    assert _sequence_hints(cfg, LM, TensorParallel(4, sequence_parallel=True)).hints == {"S": 13}
+    assert _sequence_hints(cfg, LM, TensorParallel(2, sequence_parallel=True)) is cfg
+    assert _sequence_hints(cfg, LM, TensorParallel(8)) is cfg
+    given = StepConfig(device="cpu", hints={"S": 9})
+    assert _sequence_hints(given, LM, TensorParallel(8, sequence_parallel=True)) is given
+    first = {"x": ("float32", [4, "T", 8]), **LM}   # Megatron's layout: the sequence first
+    assert _sequence_hints(cfg, first, TensorParallel(8, sequence_parallel=True,
+                                                      sequence_dim=0)).hints == {"B": 29}
+
+
 def _per_rank(report, real, point, other=None, activations=True):
     """Each group of ranks in ``report.ranks`` (every rank, where all are equal) against every
     real rank it stands for, every figure. ``other``: the bytes the oracle finds live besides
