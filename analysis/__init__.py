@@ -16,7 +16,7 @@ from .report import (TRAIN_FIELDS, Regime, Report, Retracer, analyze, cross_cond
                      cross_guards, fix_inputs, pinning_fixed)
 from .reserved import Reserved, replay
 
-__all__ = ["analyze", "cross_guards", "cross_conditions", "pinning_fixed", "Report", "FittedReport", "Fit", "Regime",
-           "Retracer", "StepMemory",
+__all__ = ["analyze", "cross_guards", "cross_conditions", "pinning_fixed", "Report",
+           "FittedReport", "Fit", "Regime", "Retracer", "StepMemory",
            "ModuleSaved", "PeakPoint", "TRAIN_FIELDS", "fix_inputs", "AllocConf",
            "AllocatorOOM", "CachingAllocator", "Reserved", "replay"]

@@ -776,10 +776,11 @@ def cross_conditions(report: Report, skip: frozenset = frozenset(), root: Report
                          f"nothing (traced again at {name}={hint}, the same figures)")
         else:
             sides.append(cross_conditions(sub, skip | {name}, root, {**moved, name: hint}))
+            false_there = ", ".join(str(c) for c in conds
+                                    if c.xreplace({sym: hint}) is not sympy.true)
             notes.append(f"{name}: sizes like {name}={hint}, where a condition of the trace "
-                         f"({', '.join(str(c) for c in conds if c.xreplace({sym: hint}) is not sympy.true)}) "
-                         "is false, take a code path of their own: answered from a trace at "
-                         f"{name}={hint} where its conditions hold")
+                         f"({false_there}) is false, take a code path of their own: answered "
+                         f"from a trace at {name}={hint} where its conditions hold")
     if not notes:
         return report
     return replace(report, sides=tuple(sides), notes=tuple(report.notes) + tuple(notes))
