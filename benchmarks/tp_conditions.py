@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -53,22 +54,19 @@ CASES = [("TP 2", TensorParallel(2), lambda: O.llama_model(attn="sdpa")),
 def main() -> None:
     cross = R.cross_conditions
     print(f"{'strategy':<10} {'crossing':<9} {'analyze':>8} {'points from formulas':>21}")
-    try:
-        for name, tp, build in CASES:
-            for on in (False, True):
-                R.cross_conditions = cross if on else (lambda report, *a, **k: report)
+    for name, tp, build in CASES:
+        for on in (False, True):
+            with mock.patch.object(R, "cross_conditions",
+                                   cross if on else (lambda report, *a, **k: report)):
                 with torch.device("meta"):
                     model = build()
                 t0 = time.perf_counter()
                 report = analyze(model, LM, device="cpu", inference=False, tp=tp)
                 took = time.perf_counter() - t0
-                covered = sum(not report.needs_retrace({"B": b, "S": s})
-                              or report._side_for({"B": b, "S": s}) is not None
-                              for b, s in POINTS)
-                print(f"{name:<10} {'on' if on else 'off':<9} {took:>6.1f} s "
-                      f"{covered:>14} of {len(POINTS)}", flush=True)
-    finally:
-        R.cross_conditions = cross
+            covered = sum(not report.needs_retrace({"B": b, "S": s})
+                          or report._side_for({"B": b, "S": s}) is not None for b, s in POINTS)
+            print(f"{name:<10} {'on' if on else 'off':<9} {took:>6.1f} s "
+                  f"{covered:>14} of {len(POINTS)}", flush=True)
 
 
 if __name__ == "__main__":
