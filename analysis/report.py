@@ -326,7 +326,7 @@ class Report:
         if side is not None:
             return self._counterpart(side), dict(point)
         moved = {n: v for n, v in need.items() if v >= 2 and not self._inside(n, v)}
-        sub = self._across(*next(iter(moved.items()))) if moved else \
+        sub = self._across(*next(iter(moved.items())), point) if moved else \
             self.retracer(need, self.fixed)
         sub = self._counterpart(sub)
         return sub.for_point({k: x for k, x in point.items() if k in sub.symbols})
@@ -351,12 +351,21 @@ class Report:
         lo, hi = self.ranges.get(name, (2, None))
         return lo <= v and (hi is None or v <= hi)
 
-    def _across(self, name: str, v: int) -> "Report":
+    def _across(self, name: str, v: int, point: Mapping[str, int] | None = None) -> "Report":
         """The report for symbol ``name`` at size ``v``, past a guard of this one's code path:
-        a regime of it, or a trace at an example size across the guard."""
+        a regime of it, or a trace at an example size across the guard. A regime whose
+        conditions on residues are false at ``point`` is crossed first, once
+        (:func:`cross_conditions`, as the report itself was: TP 8 + SP past B = 7 at an S
+        that 8 divides)."""
         for r in self.regimes:
             if r.symbol == name and r.lo <= v and (r.hi is None or v <= r.hi):
-                return r.report
+                if point is None or not r.report.needs_retrace(point):
+                    return r.report
+                key = ("crossed", name, r.hint)
+                if key not in self.retracer.cache:
+                    self.retracer.cache[key] = cross_conditions(r.report, frozenset(), self,
+                                                                {name: r.hint})
+                return self.retracer.cache[key]
         hint = probe_size(self, name, v)
         try:
             sub = self.retracer.moved({name: hint}, self.fixed)

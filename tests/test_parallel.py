@@ -435,6 +435,29 @@ def test_sequence_parallel_over_many_ranks_traces_a_sequence_longer_than_the_ran
                                                       sequence_dim=0)).hints == {"B": 29}
 
 
+def _llama_8_heads():
+    import transformers
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=256))
+
+
+def test_a_regime_past_a_guard_crosses_its_own_parity_conditions():
+    """TP 8 + SP on a 1-layer Llama with 8 heads, traced at S = 29: the formulas hold for
+    B <= 7 (a guard of the code path; past it, a regime traced at B = 11, S = 29), and S that 8
+    divides is a side. A point past the guard at such an S (B = 16, S = 64) crosses the regime's
+    own conditions on residues, once, when first asked (Report._across), and is answered from
+    formulas: equal to the analysis traced at those fixed sizes."""
+    tp = TensorParallel(8, sequence_parallel=True)
+    report = _predict(_llama_8_heads, LM, tp=tp)
+    assert report.ranges["B"] == (2, 7)
+    assert [(g.symbol, g.lo, g.hint) for g in report.regimes] == [("B", 8, 11)]
+    sub, pt = report.for_point({"B": 16, "S": 64})
+    assert not sub.fixed
+    fixed = _predict(_llama_8_heads, {k: ("int64", [16, 64]) for k in LM}, tp=tp)
+    assert sub.at(**pt) == fixed.at()
+
+
 def _per_rank(report, real, point, other=None, activations=True):
     """Each group of ranks in ``report.ranks`` (every rank, where all are equal) against every
     real rank it stands for, every figure. ``other``: the bytes the oracle finds live besides
