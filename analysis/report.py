@@ -353,13 +353,15 @@ class Report:
 
     def _across(self, name: str, v: int, point: Mapping[str, int] | None = None) -> "Report":
         """The report for symbol ``name`` at size ``v``, past a guard of this one's code path:
-        a regime of it, or a trace at an example size across the guard. A regime whose
-        conditions on residues are false at ``point`` is crossed first, once
+        a regime of it, or a trace at an example size across the guard. A regime with a
+        condition false at ``point``, inside its ranges, is crossed first, once
         (:func:`cross_conditions`, as the report itself was: TP 8 + SP past B = 7 at an S
         that 8 divides)."""
         for r in self.regimes:
             if r.symbol == name and r.lo <= v and (r.hi is None or v <= r.hi):
-                if point is None or not r.report.needs_retrace(point):
+                if point is None or not r.report.needs_retrace(point) or not all(
+                        r.report._inside(n, x) for n, x in point.items()
+                        if n in r.report.ranges):
                     return r.report
                 key = ("crossed", name, r.hint)
                 if key not in self.retracer.cache:
