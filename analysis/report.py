@@ -559,11 +559,16 @@ def _same_figures(a: Report, b: Report) -> bool:
     """One code path, as far as memory goes: the same allocations and releases, in the same
     order, of the same sizes and categories, under the same conditions (their peaks are then
     the same function of the sizes, however each trace's range pruned its candidates)."""
+    return _same_timelines(a, b) and all(
+        set(x.trace.conditions) == set(y.trace.conditions)
+        for x, y in ((a.train, b.train), (a.inference, b.inference)) if x is not None)
+
+
+def _same_timelines(a: Report, b: Report) -> bool:
+    """The same allocations and releases, in the same order, of the same sizes, categories and
+    devices, in each step (whatever the traces' conditions)."""
     for x, y in ((a.train, b.train), (a.inference, b.inference)):
-        if (x is None) != (y is None):
-            return False
-        if x is not None and (_timeline(x) != _timeline(y)
-                              or set(x.trace.conditions) != set(y.trace.conditions)):
+        if (x is None) != (y is None) or (x is not None and _timeline(x) != _timeline(y)):
             return False
     return True
 
@@ -739,8 +744,8 @@ def cross_conditions(report: Report, skip: frozenset = frozenset(), root: Report
     A trace condition on one symbol's residues (DTensor shards a dimension of size B over two
     ranks evenly or not: ``Ne(Mod(B, 2), 0)`` at the example size B = 5) makes the formulas
     hold on part of the sizes only, and every even B was traced again with B fixed. It is
-    crossed by tracing once more at the next example size where the symbol's residue
-    conditions are all false. Where the two traces' residue conditions cover every residue
+    crossed by tracing once more at the example size, at least three periods up, where the
+    most of the symbol's residue conditions are false (the first such). Where the two traces' residue conditions cover every residue
     (checked over their period) and the rest agree: with the same figures (the same
     allocations and releases, in order, of the same sizes), the conditions change nothing and
     are dropped; with others, the second trace is a side of this report (:attr:`Report.sides`)
@@ -795,13 +800,6 @@ def cross_conditions(report: Report, skip: frozenset = frozenset(), root: Report
     if not notes:
         return report
     return replace(report, sides=tuple(sides), notes=tuple(report.notes) + tuple(notes))
-
-
-def _same_timelines(a: Report, b: Report) -> bool:
-    for x, y in ((a.train, b.train), (a.inference, b.inference)):
-        if (x is None) != (y is None) or (x is not None and _timeline(x) != _timeline(y)):
-            return False
-    return True
 
 
 def _without(report: Report, conds: list) -> Report:
