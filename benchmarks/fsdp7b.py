@@ -1,4 +1,6 @@
-"""Benchmark: memsim's per-rank FSDP2 peak for a Llama-2-7B-sized config vs. PyTorch's own.
+"""Benchmark: memsim's per-rank FSDP2 peak for a Llama-2-7B-sized config vs. PyTorch's own
+(``--model mixtral-8x22b``: Mixtral-8x22B's widths, its stacked experts optionally sharded on
+another dimension with ``--shard-dim``).
 
 The model (Hugging Face ``LlamaConfig`` with Llama-2-7B sizes: hidden 4096, intermediate 11008,
 32 layers, 32 heads, vocab 32000) is built on the meta device (memsim) or under
@@ -11,12 +13,21 @@ labels, ``out.loss.backward()``, ``AdamW.step()``; optimizer state and gradients
   symbolically in S, then the formula evaluated at B=1, S=--seq;
 * PyTorch: ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``) under
   ``FakeTensorMode`` with ``dist.init_process_group("fake")``, the device mesh built outside
-  the fake mode, one warm-up step first (its output and loss dropped), then the measured step.
+  the fake mode, one warm-up step first (its output and loss alive until the measured step's
+  forward returns, as in a loop that rebinds them), then the measured step.
 
 Each side runs in its own subprocess (the fake process group is global per process), so each
 side's time and peak RSS are its own. Run on demand (not a test):
 
     python benchmarks/fsdp7b.py [--layers 32] [--dp 8 [16 ...]] [--seq 2048]
+                                [--model llama2-7b|mixtral-8x22b] [--bf16]
+                                [--shard-dim PATTERN=DIM ...]
+
+``--shard-dim '*.experts.*=1'`` is ``FSDP(shard_dims=...)`` on memsim's side and the same
+``shard_placement_fn`` (``Shard(DIM)`` for the parameters whose names match, by ``fnmatch``) on
+PyTorch's. ``--bf16``: the model in bf16 on both sides (memsim's ``bf16-true``); the fake
+kernel of transformers' grouped expert matmul (``torch._grouped_mm``) takes bf16 only, so the
+Mixtral comparison needs it.
 
 Why ``device="cpu"`` in memsim: the PyTorch simulation runs on CPU fake tensors (a CPU build),
 so it has CPU kernels and no allocator rounding; memsim's default ``device="cuda"`` models CUDA
@@ -29,9 +40,13 @@ fake tensors only), as memsim's ``_local_scalar_dense`` rule does. A real ``.ite
 nothing, so the memory is unaffected. Nothing else of memsim is used on the PyTorch side (memsim's
 Hugging Face mask patches, ``tracer.hf``, make no difference for this model and input: checked).
 
-Measured on a 2-core CPU machine (torch 2.13.0+cpu, transformers 5.24.0), 32 layers, S=2048:
-dp=8: 36,549,201,556 B on both sides (ratio 1.000000), memsim 23-32 s, FSDPMemTracker 33-43 s;
-dp=16: 31,444,794,004 B on both sides; the whole script about 1.5 minutes per world size.
+Measured on a 2-core CPU machine (torch 2.13.0+cpu, transformers 5.24.0), 32 layers, S=2048,
+2026-12-06: dp=8: 37,622,668,944 B on both sides (ratio 1.000000), memsim's analysis 2.6 s
+(subprocess 6.5 s), FSDPMemTracker 7.6 s (subprocess 10.8 s); dp=16: 32,568,857,232 B on both
+sides; the whole script about 20 s per world size. Until that day the PyTorch side deleted the
+warm-up's output before the measured step, which memsim models with ``keep_outputs=False``
+only; both sides read 36,549,201,556 (dp=8) and 31,444,794,004 B (dp=16) before memsim's default
+loop kept the previous output (2026-12-06, 637c9e8), and the benchmark was not re-run in between.
 """
 
 from __future__ import annotations
@@ -52,11 +67,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def config(layers: int) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
-                                    num_hidden_layers=layers, num_attention_heads=32,
-                                    num_key_value_heads=32, vocab_size=32000,
-                                    max_position_embeddings=4096)
+MODELS = {
+    "llama2-7b": ("Llama", dict(hidden_size=4096, intermediate_size=11008,
+                                num_attention_heads=32, num_key_value_heads=32,
+                                vocab_size=32000, max_position_embeddings=4096)),
+    # Mixtral-8x22B's published config (mistralai/Mixtral-8x22B-v0.1: 56 layers)
+    "mixtral-8x22b": ("Mixtral", dict(hidden_size=6144, intermediate_size=16384,
+                                      num_attention_heads=48, num_key_value_heads=8,
+                                      num_local_experts=8, num_experts_per_tok=2,
+                                      vocab_size=32768, max_position_embeddings=65536,
+                                      rope_theta=1e6)),
+}
+
+
+def build(args) -> torch.nn.Module:
+    kind, kw = MODELS[args.model]
+    cfg = getattr(transformers, f"{kind}Config")(num_hidden_layers=args.layers, **kw)
+    return getattr(transformers, f"{kind}ForCausalLM")(cfg)
+
+
+def shard_dims(args) -> tuple:
+    out = []
+    for text in args.shard_dim or ():
+        pattern, _, dim = text.rpartition("=")
+        out.append((pattern, int(dim)))
+    return tuple(out)
 
 
 def adamw(params):
@@ -68,18 +103,20 @@ def rss_mib() -> float:
 
 
 # -- memsim ---------------------------------------------------------------------------------------
-def run_memsim(layers: int, dp: int, seq: int) -> dict:
+def run_memsim(args) -> dict:
     sys.path.insert(0, ROOT)
     from memsim.strategies import FSDP, analyze
 
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config(layers))
+        model = build(args)
     t0 = time.perf_counter()
     report = analyze(model, {"input_ids": ("int64", [1, "S"]), "labels": ("int64", [1, "S"])},
-                     fsdp=FSDP(dp=dp), device="cpu", inference=False, optimizer=adamw)
+                     fsdp=FSDP(dp=args.dp[0], shard_dims=shard_dims(args)), device="cpu",
+                     inference=False, optimizer=adamw,
+                     precision="bf16-true" if args.bf16 else "32-true")
     t_sym = time.perf_counter() - t0
     t0 = time.perf_counter()
-    at = report.at(S=seq)["train"]
+    at = report.at(S=args.seq)["train"]
     t_eval = time.perf_counter() - t0
     return {"time_s": t_sym, "eval_s": t_eval, "rss_mib": rss_mib(),
             "regimes": len(report.train.candidates),
@@ -108,7 +145,7 @@ def item_reads_one():
         adam_mod._get_value = orig
 
 
-def run_pytorch(layers: int, dp: int, seq: int) -> dict:
+def run_pytorch(args) -> dict:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -116,37 +153,53 @@ def run_pytorch(layers: int, dp: int, seq: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    import fnmatch
+
+    from torch.distributed.tensor import Shard
+
+    dp, seq = args.dp[0], args.seq
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
     mesh = init_device_mesh("cpu", (dp,))          # outside FakeTensorMode
     t0 = time.perf_counter()
     with FakeTensorMode(), item_reads_one():
-        model = transformers.LlamaForCausalLM(config(layers))
+        if args.bf16:             # built in bf16 (Module.to cannot swap fake parameters)
+            torch.set_default_dtype(torch.bfloat16)
+        model = build(args)
+        torch.set_default_dtype(torch.float32)
+        placed = {}
+        for name, p in model.named_parameters():
+            dim = next((d for pat, d in shard_dims(args) if fnmatch.fnmatchcase(name, pat)), 0)
+            if dim:
+                placed[id(p)] = Shard(dim)
+        kw = {"shard_placement_fn": lambda p: placed.get(id(p))} if placed else {}
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
         opt = adamw(model.parameters())
         ids = torch.zeros(1, seq, dtype=torch.int64)
         labels = torch.zeros(1, seq, dtype=torch.int64)
         mt = FSDPMemTracker(model, opt)
         mt.track_inputs((ids, labels))
 
-        def step():
+        with mt:                  # warm-up: optimizer state and gradients come to exist
             opt.zero_grad(set_to_none=True)
             out = model(input_ids=ids, labels=labels)
             loss = out.loss
             loss.backward()
             opt.step()            # out and loss still referenced, as in a plain loop
-            return out, loss
-
-        with mt:                  # warm-up: optimizer state and gradients come to exist
-            out, loss = step()
-        del out, loss
         t_warm = time.perf_counter() - t0
         t1 = time.perf_counter()
         mt.reset_mod_stats()      # per-module stats of the warm-up (it refuses a second call)
         with mt:                  # re-entering resets the peak to the current figure
             start = mt.get_tracker_snapshot("current")
-            out, loss = step()
+            # the loop's next step, inline: the warm-up's out and loss are rebound when the
+            # forward returns, as memsim's default loop models (until 2026-12-06 they were
+            # deleted first, a loop memsim models with keep_outputs=False)
+            opt.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, labels=labels)
+            loss = out.loss
+            loss.backward()
+            opt.step()
         t_step = time.perf_counter() - t1
         del out, loss
         peak = mt.get_tracker_snapshot("peak")
@@ -162,7 +215,10 @@ def run_pytorch(layers: int, dp: int, seq: int) -> dict:
 def child(part: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--_part", part, "--layers",
            str(args.layers), "--dp", str(args._dp), "--seq", str(args.seq),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--model", args.model]
+    cmd += ["--bf16"] if args.bf16 else []
+    for text in args.shard_dim or ():
+        cmd += ["--shard-dim", text]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -179,8 +235,10 @@ def gib(n: int) -> str:
 
 
 def report(args, dp: int, ms: dict, pt: dict) -> None:
-    print(f"\n=== Llama-2-7B sizes, {args.layers} layers, FSDP2 dp={dp}, B=1, S={args.seq}, "
-          f"AdamW(foreach=False), memsim device='cpu' ===")
+    dims = f", shard_dims {shard_dims(args)}" if args.shard_dim else ""
+    print(f"\n=== {args.model} sizes, {args.layers} layers, FSDP2 dp={dp}{dims}, B=1, "
+          f"S={args.seq}, {'bf16' if args.bf16 else 'fp32'}, AdamW(foreach=False), memsim "
+          f"device='cpu' ===")
     print(f"memsim symbolic analysis (train only): {ms['time_s']:.1f} s "
           f"(subprocess wall {ms['wall_s']:.1f} s), peak RSS {ms['rss_mib']:.0f} MiB, "
           f"{ms['regimes']} regime(s); evaluating at the point: {ms['eval_s'] * 1e3:.1f} ms")
@@ -217,13 +275,14 @@ def main() -> None:
     ap.add_argument("--dp", type=int, nargs="+", default=[8])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama2-7b")
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--shard-dim", action="append", metavar="PATTERN=DIM")
     ap.add_argument("--_part", choices=["memsim", "pytorch"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args._part:
-        dp = args.dp[0]
-        res = (run_memsim(args.layers, dp, args.seq) if args._part == "memsim"
-               else run_pytorch(args.layers, dp, args.seq))
+        res = run_memsim(args) if args._part == "memsim" else run_pytorch(args)
         print(json.dumps(res))
         return
     for dp in args.dp:

@@ -124,10 +124,12 @@ def child_peer(name: str, b: int, s: int) -> dict:
                 if i == 1:
                     mt.reset_mod_stats()
                 opt.zero_grad(set_to_none=True)
+                # rebound, not deleted: the last step's output is alive until the forward
+                # returns, as in memsim's default loop (a `del out` here, until 2026-12-06,
+                # made the peer model --drop-outputs: 7B at B=8, S=4096 read 28 GiB less)
                 out = model(input_ids=ids, labels=labels)
                 out.loss.backward()
                 opt.step()
-                del out
         peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     return {"bytes": peak, "point_s": time.perf_counter() - t0}
 

@@ -138,6 +138,11 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     p.add_argument("--reduce-dtype", metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy "
                    "reduce_dtype: the dtype gradients are reduce-scattered in (default: "
                    "--param-dtype)")
+    p.add_argument("--fsdp-shard-dim", action="append", metavar="PATTERN=DIM",
+                   help="FSDP2 shard_placement_fn: shard the parameters whose names match "
+                        "PATTERN (fnmatch) on dimension DIM instead of 0, e.g. "
+                        "'*.experts.*=1' for stacked MoE experts over more ranks than experts "
+                        "(torchtitan's choice); repeatable, the first match wins")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage (DeepSpeed's engine traced; "
                    "needs the deepspeed package)")
     p.add_argument("--deepspeed", metavar="FILE", help="a DeepSpeed ds_config.json (stage, "
@@ -269,9 +274,11 @@ def _strategy(args) -> dict:
                              hint="give one of them")
         kw["fsdp"] = FSDP(dp=dp, reshard_after_forward="not-last" if args.reshard_not_last
                           else not args.no_reshard,
-                          param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
+                          param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+                          shard_dims=_shard_dims(args.fsdp_shard_dim or ()))
     else:
-        for flag in ("no_reshard", "reshard_not_last", "param_dtype", "reduce_dtype"):
+        for flag in ("no_reshard", "reshard_not_last", "param_dtype", "reduce_dtype",
+                     "fsdp_shard_dim"):
             if getattr(args, flag):
                 raise UsageError(f"--{flag.replace('_', '-')} is an FSDP option",
                                  hint="add --fsdp --dp N")
@@ -341,6 +348,18 @@ def _compiled_hints(specs, point, hints):
             and len(set(use.values())) == len(use):
         return use
     return None
+
+
+def _shard_dims(given) -> tuple[tuple[str, int], ...]:
+    """``--fsdp-shard-dim PATTERN=DIM`` options as :attr:`FSDP.shard_dims` pairs."""
+    out = []
+    for text in given:
+        pattern, eq, dim = text.rpartition("=")
+        if not eq or not pattern or not dim.strip().isdigit():
+            raise UsageError(f"--fsdp-shard-dim {text!r} is not PATTERN=DIM",
+                             hint="e.g. --fsdp-shard-dim '*.experts.*=1'")
+        out.append((pattern, int(dim)))
+    return tuple(out)
 
 
 def _budget_setup(args, point):

@@ -390,7 +390,8 @@ def strategy_text(st: dict) -> str:
         raf = f["reshard_after_forward"]
         parts.append(f"FSDP2 dp={f['dp']} (" + (
             "reshard after forward but the last unit" if raf == "not-last"
-            else "reshard after forward" if raf else "no reshard after forward") + ")")
+            else "reshard after forward" if raf else "no reshard after forward")
+            + "".join(f"; {pat} on dim {d}" for pat, d in f.get("shard_dims") or ()) + ")")
     if "zero" in st:
         z = st["zero"]
         off = "cpu" in (z.get("offload_optimizer"), z.get("offload_param"))

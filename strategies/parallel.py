@@ -9,8 +9,9 @@ output and sharded optimizer state is then a storage of the run, allocated and r
 FSDP2 and DTensor allocate and release it (``UntypedStorage.resize_`` included). The figures are
 rank 0's; ranks are equal (FSDP2 pads every shard to one size; uneven TP splits are refused).
 
->>> FSDP(dp=8)
-FSDP(dp=8, reshard_after_forward=True, units='blocks', param_dtype=None, reduce_dtype=None)
+>>> FSDP(dp=8)   # doctest: +NORMALIZE_WHITESPACE
+FSDP(dp=8, reshard_after_forward=True, units='blocks', param_dtype=None, reduce_dtype=None,
+     shard_dims=())
 >>> TensorParallel(tp=2).plan
 'auto'
 """
@@ -113,6 +114,13 @@ class FSDP(Strategy):
         :func:`fsdp_units`) or module paths.
     param_dtype, reduce_dtype : str, optional
         ``MixedPrecisionPolicy``: e.g. ``"bfloat16"`` parameters for compute, fp32 reduction.
+    shard_dims : dict or tuple of (pattern, dim) pairs
+        ``fully_shard``'s ``shard_placement_fn``: a parameter whose name matches a pattern
+        (``fnmatch``, first match wins) is sharded on that dimension instead of FSDP2's
+        ``Shard(0)``. A stacked MoE's experts (``(experts, rows, cols)``) over more ranks than
+        experts: ``Shard(0)`` pads every rank's shard to a whole expert, so each rank holds
+        1/experts of them, not 1/ranks; torchtitan shards them on dimension 1
+        (``{"*.experts.*": 1}``). FSDP2 needs the dimension to divide by ``dp``.
     """
 
     key: ClassVar[str] = "fsdp"
@@ -121,10 +129,20 @@ class FSDP(Strategy):
     units: str | tuple[str, ...] = "blocks"
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    shard_dims: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.dp, int) or self.dp < 1:
             raise StrategyError(f"FSDP dp={self.dp!r} must be an int >= 1")
+        dims = self.shard_dims
+        pairs = tuple(dims.items()) if isinstance(dims, dict) else tuple(map(tuple, dims))
+        for pair in pairs:
+            if (len(pair) != 2 or not isinstance(pair[0], str) or isinstance(pair[1], bool)
+                    or not isinstance(pair[1], int) or pair[1] < 0):
+                raise StrategyError(
+                    f"FSDP shard_dims entry {pair!r} must be (parameter-name pattern, dim >= 0)",
+                    hint="e.g. shard_dims={'*.experts.*': 1}")
+        object.__setattr__(self, "shard_dims", pairs)
         if isinstance(self.units, list):
             object.__setattr__(self, "units", tuple(self.units))
         if self.reshard_after_forward not in (True, False, "not-last"):
@@ -190,9 +208,9 @@ def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):
     notes: tuple = (note,)
     if fsdp is not None and plan.config.device.value == "cuda":
         notes += (CUDA_FSDP_NOTE,)
-    untied = untied_note(plan.model, fsdp)
-    if untied:
-        notes += (untied,)
+    for extra in (untied_note(plan.model, fsdp), padding_note(plan.model, fsdp, tp)):
+        if extra:
+            notes += (extra,)
     def inside(model, rank):
         transform(fsdp, tp, rank)(model)
     inside.paths = _tp_paths(plan.model, tp)
@@ -662,6 +680,45 @@ def untied_note(model: torch.nn.Module, fsdp) -> str | None:
             f"{b!r} outside it, and a parameter belongs to one FSDP group")
 
 
+def padding_note(model: torch.nn.Module, fsdp: FSDP | None,
+                 tp: TensorParallel | None) -> str | None:
+    """What FSDP2's padding costs where parameters have fewer rows than ranks, in words, with
+    the option that avoids it (None: under 1% of the parameters). ``Shard(0)`` gives every
+    rank ``ceil(rows / dp)`` rows of each parameter, padding included: a stacked MoE's 8
+    experts over 64 ranks leave each rank a whole expert, 8 times an even split."""
+    if fsdp is None or tp is not None or fsdp.dp == 1:
+        return None
+    moved = [pat for pat, dim in fsdp.shard_dims if dim]
+    total = padded = 0
+    short = []
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen or p.ndim == 0:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if any(fnmatch.fnmatchcase(name, pat) for pat, _ in fsdp.shard_dims):
+            continue
+        rows = p.shape[0]
+        held = -(-rows // fsdp.dp) * fsdp.dp * (p.numel() // rows if rows else 0)
+        if held > p.numel() and rows < fsdp.dp:
+            padded += held - p.numel()
+            short.append((name, p))
+    if not short or padded < 0.01 * total:
+        return None
+    name, p = max(short, key=lambda np: np[1].numel())
+    pattern = re.sub(r"\.\d+\.", ".*.", name.rsplit(".", 1)[0]) + ".*"
+    fits = p.ndim > 1 and p.shape[1] % fsdp.dp == 0
+    how = (f"FSDP(shard_dims={{{pattern!r}: 1}}), --fsdp-shard-dim '{pattern}=1'" if fits
+           else "FSDP(shard_dims=...), --fsdp-shard-dim PATTERN=DIM")
+    return (f"FSDP2 pads each rank's shard of a parameter to ceil(rows / {fsdp.dp}) rows: "
+            f"{len(short)} parameters have fewer rows than the {fsdp.dp} ranks (the largest "
+            f"{name!r}, shape {tuple(p.shape)}), so the ranks hold "
+            f"{padded / total:.0%} more parameter elements than an even split"
+            f"{'' if not moved else ' (after shard_dims)'}; sharded on another dimension "
+            f"they split evenly (torchtitan does so for MoE experts): {how}")
+
+
 def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -684,6 +741,10 @@ def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
     if fsdp.param_dtype or fsdp.reduce_dtype:
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=_dtype(fsdp.param_dtype), reduce_dtype=_dtype(fsdp.reduce_dtype))
+    if fsdp.shard_dims:
+        from torch.distributed.tensor import Shard
+        dims = _shard_dims(model, fsdp, mesh.size())
+        kw["shard_placement_fn"] = lambda p: Shard(dims[id(p)]) if id(p) in dims else None
     policy = fsdp.reshard_after_forward
     last = units[-1] if units and policy == "not-last" else None   # in the model's order
     for u in _inner_first(units):
@@ -691,6 +752,44 @@ def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
                     reshard_after_forward=u != last if policy == "not-last" else policy, **kw)
     fully_shard(model, mesh=mesh, reshard_after_forward=True if policy == "not-last" else policy,
                 **kw)
+
+
+def _shard_dims(model: torch.nn.Module, fsdp: FSDP, ranks: int) -> dict[int, int]:
+    """``id(parameter) -> dim`` for the parameters :attr:`FSDP.shard_dims` moves off dimension
+    0 (the first pattern a name matches), checked as ``fully_shard`` would check them inside
+    the run: every pattern matches a parameter, the dimension exists, and (FSDP2 pads only
+    dimension 0) divides by the ranks."""
+    from torch.distributed.tensor import DTensor
+
+    named = list(model.named_parameters())
+    out: dict[int, int] = {}
+    used = set()
+    for name, p in named:
+        for pattern, dim in fsdp.shard_dims:
+            if not fnmatch.fnmatchcase(name, pattern):
+                continue
+            used.add(pattern)
+            local = p.to_local().shape if isinstance(p, DTensor) else p.shape
+            if dim >= len(local):
+                raise StrategyError(
+                    f"FSDP shard_dims {pattern!r}: {dim} is not a dimension of {name!r} "
+                    f"(shape {tuple(local)})", hint="dimensions count from 0")
+            if dim > 0 and local[dim] % ranks:
+                raise StrategyError(
+                    f"FSDP shard_dims {pattern!r}: dimension {dim} of {name!r} (shape "
+                    f"{tuple(local)}) does not divide by {ranks} ranks, and FSDP2 pads only "
+                    "dimension 0", hint="choose a dimension the ranks divide, or a pattern "
+                    "that leaves this parameter on dimension 0")
+            if dim:
+                out[id(p)] = dim
+            break
+    for pattern, _ in fsdp.shard_dims:
+        if pattern not in used:
+            some = ", ".join(repr(n) for n, _ in named[:3])
+            raise StrategyError(f"FSDP shard_dims pattern {pattern!r} matches no parameter",
+                                hint=f"patterns match parameter names ({some}, ...) with "
+                                     "fnmatch: '*' spans dots")
+    return out
 
 
 def _inner_first(units: list[str]) -> list[str]:

@@ -86,6 +86,55 @@ def test_fsdp2_reshard_but_the_last_unit_matches_real_gloo_run():
     assert "but the last unit" in strategy_text(report.strategy)
 
 
+def _mixtral(experts=3):
+    return O.hf_causal_lm("MixtralConfig", "MixtralForCausalLM", num_local_experts=experts,
+                          num_experts_per_tok=2)
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_moe_experts_on_dimension_1_matches_real_gloo_run():
+    """``shard_dims`` is fully_shard's ``shard_placement_fn``: transformers' Mixtral stacks its
+    experts as ``(experts, rows, cols)`` parameters, and 3 experts over 2 ranks are padded to
+    2 per rank on dimension 0. On dimension 1 (torchtitan's choice for experts over more
+    ranks than experts) they split evenly: each rank equal to its real 2-rank run sharded so,
+    with fewer parameter bytes than under the default. (The router's (3, 64) weight stays on
+    dimension 0, so AdamW's state still differs between the ranks: 1,024 B.)"""
+    point = {"B": 2, "S": 16}
+    report = _predict(_mixtral, LM, fsdp=FSDP(2, shard_dims={"*.experts.*": 1}))
+    real = O.measure(_mixtral, functools.partial(O.llama_inputs, batch=2, seq=16),
+                     strategy=O.FSDP2(shard_dims={"experts.gate_up_proj": 1,
+                                                  "experts.down_proj": 1}))
+    _per_rank(report, real, point, other=MESH_2)
+    assert real[0].peak - real[1].peak == 1024
+    rows = _predict(_mixtral, LM, fsdp=FSDP(2))
+    assert (figures(report, **point)["train"]["parameters"]
+            < figures(rows, **point)["train"]["parameters"])
+
+
+def test_fsdp2_shard_dims_errors_name_the_pattern_and_the_parameter():
+    with pytest.raises(StrategyError, match="'nothing.*' matches no parameter"):
+        _predict(_mixtral, LM, fsdp=FSDP(2, shard_dims={"nothing.*": 1}))
+    with pytest.raises(StrategyError, match="3 is not a dimension of 'model.layers.0.mlp"):
+        _predict(_mixtral, LM, fsdp=FSDP(2, shard_dims={"*.experts.*": 3}))
+    with pytest.raises(StrategyError, match="does not divide by 3 ranks"):
+        _predict(_mixtral, LM, fsdp=FSDP(3, shard_dims={"*.experts.down_proj": 1}))
+    with pytest.raises(StrategyError, match="must be \\(parameter-name pattern, dim >= 0\\)"):
+        FSDP(2, shard_dims={"*": -1})
+
+
+def test_fsdp2_padding_note_names_the_option_that_avoids_it():
+    """8 experts over 16 ranks: every rank holds a whole expert of each layer (twice an even
+    split); the note says so and names the option, which then leaves no note."""
+    with torch.device("meta"):
+        m = _mixtral(experts=8)
+    from memsim.strategies.parallel import padding_note
+    text = padding_note(m, FSDP(16), None)
+    assert "fewer rows than the 16 ranks" in text, text
+    assert "--fsdp-shard-dim 'model.layers.*.mlp.experts.*=1'" in text, text
+    assert padding_note(m, FSDP(16, shard_dims={"*.experts.*": 1}), None) is None
+    assert padding_note(m, FSDP(8), None) is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("attn,b,s", [("eager", 2, 16), ("sdpa", 3, 9)])
 def test_tp_llama_matches_real_gloo_run(attn, b, s):
@@ -662,9 +711,40 @@ def test_cli_strategy_json_and_usage_errors(capsys):
                      (["--offload", "optimizer"], "--offload is a ZeRO option"),
                      (["--lora", "rank=4"], "unknown key"),
                      (["--param-dtype", "bf16"], "--param-dtype is an FSDP option"),
+                     (["--fsdp-shard-dim", "*=1"], "--fsdp-shard-dim is an FSDP option"),
+                     (["--fsdp", "--dp", "2", "--fsdp-shard-dim", "c_attn"],
+                      "is not PATTERN=DIM"),
+                     (["--fsdp", "--dp", "2", "--fsdp-shard-dim", "c_fc.weight=1"],
+                      "'c_fc.weight' matches no parameter"),
                      (["--fsdp", "--dp", "2", "--reduce-dtype", "fp33"], "unknown dtype 'fp33'")):
         assert main(args + bad) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_cli_fsdp_shard_dim(capsys):
+    """--fsdp-shard-dim is FSDP(shard_dims=...): the JSON strategy section shows it, and the
+    figures are the Python API's."""
+    import json
+
+    from memsim.cli import main
+    args = ["analyze", "examples/nanogpt_block.py:small", "--input", "x=float32[B,S,64]",
+            "--at", "B=2,S=8", "--device", "cpu", "--train", "--fsdp", "--dp", "2",
+            "--fsdp-shard-dim", "c_attn.weight=1", "--fsdp-shard-dim", "*=0", "--json"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["strategy"]["fsdp"]["shard_dims"] == [["c_attn.weight", 1], ["*", 0]]
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("nanogpt_block", "examples/nanogpt_block.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with torch.device("meta"):
+        m = mod.small()
+    x = {"x": ("float32", ["B", "S", 64])}
+    api = analyze(m, x, device="cpu", inference=False,
+                  fsdp=FSDP(2, shard_dims=(("c_attn.weight", 1), ("*", 0))))
+    rows = analyze(m, x, device="cpu", inference=False, fsdp=FSDP(2))
+    got = figures(api, B=2, S=8)["train"]["peak"]
+    assert doc["train"]["peak"]["bytes"] == got != figures(rows, B=2, S=8)["train"]["peak"]
 
 
 def test_cli_fsdp_mixed_precision(capsys):

@@ -142,6 +142,9 @@ class FSDP2:
     # or "not-last": every block but the last (torchtitan's train.py), the root True
     reshard_after_forward: bool | str = True
     mp_policy: Any = None  # torch.distributed.fsdp.MixedPrecisionPolicy, off by default
+    # {parameter-name suffix: dim}: fully_shard's shard_placement_fn gives a parameter whose
+    # name ends so Shard(dim) (torchtitan's Shard(1) for MoE experts); others Shard(0)
+    shard_dims: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -794,6 +797,11 @@ def _apply_fsdp2(model: nn.Module, mesh, s: FSDP2) -> nn.Module:
 
     kw = {"mesh": mesh, "reshard_after_forward": s.reshard_after_forward}
     kw["mp_policy"] = s.mp_policy if s.mp_policy is not None else MixedPrecisionPolicy()
+    if s.shard_dims:
+        from torch.distributed.tensor import Shard
+        placed = {p: Shard(d) for n, p in model.named_parameters()
+                  for end, d in s.shard_dims.items() if n.endswith(end)}
+        kw["shard_placement_fn"] = placed.get
     if s.blocks is None:
         paths = _auto_blocks(model)
     elif callable(s.blocks):
