@@ -47,6 +47,14 @@ sides; the whole script about 20 s per world size. Until that day the PyTorch si
 warm-up's output before the measured step, which memsim models with ``keep_outputs=False``
 only; both sides read 36,549,201,556 (dp=8) and 31,444,794,004 B (dp=16) before memsim's default
 loop kept the previous output (2026-12-06, 637c9e8), and the benchmark was not re-run in between.
+
+``--model mixtral-8x22b --layers 56 --dp 64 --bf16 --seq 4096`` (2026-12-06): 323,718,381,460 B
+on both sides, 301.486 GiB (parameters 33,990,300,864 B per rank: the 8 experts of each layer
+padded to one per rank); with ``--shard-dim '*.experts.*=1'`` 133,965,389,328 B on both sides,
+124.765 GiB (parameters 4,395,291,840 B); memsim's analysis 8-9 s, the tracker 18-25 s. The
+PyTorch side casts the model built in fp32 to bf16, as memsim's ``bf16-true`` does: built under
+a bf16 default dtype instead, the rotary ``inv_freq`` buffer stays fp32 and that program's
+peak is 256 B lower.
 """
 
 from __future__ import annotations
@@ -162,10 +170,20 @@ def run_pytorch(args) -> dict:
     mesh = init_device_mesh("cpu", (dp,))          # outside FakeTensorMode
     t0 = time.perf_counter()
     with FakeTensorMode(), item_reads_one():
-        if args.bf16:             # built in bf16 (Module.to cannot swap fake parameters)
-            torch.set_default_dtype(torch.bfloat16)
         model = build(args)
-        torch.set_default_dtype(torch.float32)
+        if args.bf16:
+            # cast after building, as memsim's bf16-true does (model.to(dtype): floating
+            # buffers too, such as the rotary inv_freq, which a model built under a bf16
+            # default dtype keeps in fp32: its peak differs by a few hundred bytes); by hand,
+            # as Module.to cannot swap FakeTensor parameters
+            for mod in model.modules():
+                for k, t in mod._parameters.items():
+                    if t is not None and t.is_floating_point():
+                        mod._parameters[k] = torch.nn.Parameter(t.to(torch.bfloat16),
+                                                                t.requires_grad)
+                for k, t in mod._buffers.items():
+                    if t is not None and t.is_floating_point():
+                        mod._buffers[k] = t.to(torch.bfloat16)
         placed = {}
         for name, p in model.named_parameters():
             dim = next((d for pat, d in shard_dims(args) if fnmatch.fnmatchcase(name, pat)), 0)
