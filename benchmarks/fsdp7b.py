@@ -1,6 +1,6 @@
 """Benchmark: memsim's per-rank FSDP2 peak for a Llama-2-7B-sized config vs. PyTorch's own
-(``--model mixtral-8x22b``: Mixtral-8x22B's widths, its stacked experts optionally sharded on
-another dimension with ``--shard-dim``).
+(``--model mixtral-8x22b`` / ``deepseek-v3``: those published configs, their stacked experts
+optionally sharded on another dimension with ``--shard-dim``).
 
 The model (Hugging Face ``LlamaConfig`` with Llama-2-7B sizes: hidden 4096, intermediate 11008,
 32 layers, 32 heads, vocab 32000) is built on the meta device (memsim) or under
@@ -20,7 +20,7 @@ Each side runs in its own subprocess (the fake process group is global per proce
 side's time and peak RSS are its own. Run on demand (not a test):
 
     python benchmarks/fsdp7b.py [--layers 32] [--dp 8 [16 ...]] [--seq 2048]
-                                [--model llama2-7b|mixtral-8x22b] [--bf16]
+                                [--model llama2-7b|mixtral-8x22b|deepseek-v3] [--bf16]
                                 [--shard-dim PATTERN=DIM ...]
 
 ``--shard-dim '*.experts.*=1'`` is ``FSDP(shard_dims=...)`` on memsim's side and the same
@@ -52,6 +52,10 @@ loop kept the previous output (2026-12-06, 637c9e8), and the benchmark was not r
 on both sides, 301.486 GiB (parameters 33,990,300,864 B per rank: the 8 experts of each layer
 padded to one per rank); with ``--shard-dim '*.experts.*=1'`` 133,965,389,328 B on both sides,
 124.765 GiB (parameters 4,395,291,840 B); memsim's analysis 8-9 s, the tracker 18-25 s. The
+``--model deepseek-v3 --layers 61 --dp 256 --bf16 --seq 4096`` (the same day): 846,907,178,852 B
+(788.744 GiB: no checkpointing) on both sides, parameters 5,243,049,656 B per rank; memsim 18.9 s
+of analysis (660 MiB), the tracker 41.0 s; with ``--layers 4`` (one MoE layer) 114,059,676,168 B
+on both. The
 PyTorch side casts the model built in fp32 to bf16, as memsim's ``bf16-true`` does: built under
 a bf16 default dtype instead, the rotary ``inv_freq`` buffer stays fp32 and that program's
 peak is 256 B lower.
@@ -85,6 +89,16 @@ MODELS = {
                                       num_local_experts=8, num_experts_per_tok=2,
                                       vocab_size=32768, max_position_embeddings=65536,
                                       rope_theta=1e6)),
+    # DeepSeek-V3's published config (deepseek-ai/DeepSeek-V3: 61 layers, the first 3 dense)
+    "deepseek-v3": ("DeepseekV3", dict(hidden_size=7168, intermediate_size=18432,
+                                       moe_intermediate_size=2048, n_routed_experts=256,
+                                       n_shared_experts=1, num_experts_per_tok=8,
+                                       num_attention_heads=128, num_key_value_heads=128,
+                                       kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                                       qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280,
+                                       first_k_dense_replace=3, n_group=8, topk_group=4,
+                                       routed_scaling_factor=2.5,
+                                       max_position_embeddings=163840)),
 }
 
 
