@@ -447,3 +447,22 @@ def test_mixtral_experts_match_real_run(precision):
             num_experts_per_tok=2, max_position_embeddings=256))
     report = predict(factory, LM, precision=precision)
     check(report, factory, LM, grid(B=(2, 3), S=(8, 17)), precision=precision)
+
+
+def mamba2():
+    return T.Mamba2ForCausalLM(T.Mamba2Config(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+        n_groups=1, state_size=8, chunk_size=16, expand=2))
+
+
+@pytest.mark.slow
+def test_mamba2_scan_over_one_chunk_matches_real_run():
+    """transformers' Mamba-2 scan without its CUDA kernels (``torch_forward``: Mamba2, Bamba,
+    FalconH1, Zamba2) pads S to whole chunks with F.pad on a transposed tensor. ATen makes
+    that output channels-last (``suggest_memory_format``); memsim's pad rule made it
+    contiguous. With one chunk (S <= chunk_size) the CPU's later reshapes then view where the
+    trace copied, B x chunk x heads x head_dim x 4 bytes per layer too many (Zamba2's config
+    in benchmarks/lm_families.py at B=2, S=9: 262,144 B; read until then as a size-1 path
+    without a guard). Equal to real runs with one chunk and with two."""
+    report = predict(mamba2, LM)
+    check(report, mamba2, LM, [{"B": 2, "S": 9}, {"B": 3, "S": 20}])

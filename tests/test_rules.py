@@ -154,11 +154,16 @@ def test_pad_and_triangular_solve_rules_make_the_kernels_tensors():
     result is column-major in its last two dimensions."""
     from memsim.tracer.kernels import _constant_pad, _solve_triangular
     pad_op = torch.ops.aten.constant_pad_nd.default
-    x = torch.randn(2, 5, 3, 4).transpose(1, 2)            # not contiguous
-    for pad in ([0, 0, 0, 0], [0, 0, -1, 0], [-1, -1, 0, -2], [0, 0, 0, 3], [1, 0, -1, 2]):
-        mine, theirs = _constant_pad(None, pad_op, (x, pad), {}), pad_op(x, pad)
-        assert (mine.shape, mine.stride(), mine.untyped_storage().nbytes()) == \
-            (theirs.shape, theirs.stride(), theirs.untyped_storage().nbytes()), pad
+    # not contiguous; channels-last-like, whose padded output ATen makes channels-last (a
+    # Mamba-2 scan pads its (B, S, heads, dim) input transposed: a contiguous output made
+    # later reshapes copy where the CPU views, B x chunk x heads x dim x 4 bytes per layer)
+    for x in (torch.randn(2, 5, 3, 4).transpose(1, 2),
+              torch.randn(2, 8, 16, 9).permute(0, 3, 1, 2),
+              torch.randn(2, 3, 4, 5, 6).permute(0, 4, 1, 2, 3)):
+        for pad in ([0, 0, 0, 0], [0, 0, -1, 0], [-1, -1, 0, -2], [0, 0, 0, 3], [1, 0, -1, 2]):
+            mine, theirs = _constant_pad(None, pad_op, (x, pad), {}), pad_op(x, pad)
+            assert (mine.shape, mine.stride(), mine.untyped_storage().nbytes()) == \
+                (theirs.shape, theirs.stride(), theirs.untyped_storage().nbytes()), (x.shape, pad)
     from memsim.tracer.kernels import _masked_scatter
     scatter = torch.ops.aten.masked_scatter.default
     x, mask = torch.randn(3, 5, 4).transpose(0, 1), torch.zeros(5, 3, 1, dtype=torch.bool)

@@ -70,7 +70,8 @@ def _asserted() -> bool:
                    "input (narrowed by negative pads) with its strides, as ATen returns it; "
                    "else one new tensor of the padded shape. Each symbolic pad is guarded "
                    "(Qwen3-Next pads S to 64-token chunks: S % 64 == 0 takes the clone, and a "
-                   "transposed input stays transposed)")
+                   "transposed input stays transposed), in the input's suggested memory format "
+                   "(channels-last-like inputs give channels-last outputs)")
 def _constant_pad(recorder, func, args, kwargs):
     """``constant_pad_nd(x, pad, value)``, with ATen's ``all_pads_non_positive`` branch: a
     ``clone`` (strides preserved) of the input narrowed by the negative pads, or one output
@@ -100,7 +101,13 @@ def _constant_pad(recorder, func, args, kwargs):
         shape[d] = shape[d] + lo + hi
         src[d] = slice(max(-lo, 0), x.shape[d] - max(-hi, 0))
         dst[d] = slice(max(lo, 0), shape[d] - max(hi, 0))
-    out = torch.full(shape, value if value is not None else 0, dtype=x.dtype, device=x.device)
+    # ATen allocates the output in the input's suggested memory format: a channels-last-like
+    # input (a Mamba-2 scan pads a transposed (B, S, heads, dim) tensor) gives a
+    # channels-last output, whose strides decide whether later reshapes view or copy
+    from torch._prims_common import suggest_memory_format
+    out = torch.empty(shape, dtype=x.dtype, device=x.device,
+                      memory_format=suggest_memory_format(x))
+    out.fill_(value if value is not None else 0)
     out[tuple(dst)] = x[tuple(src)]
     return out
 
