@@ -44,6 +44,19 @@ def pytest_make_collect_report(collector):
     _strict(outcome.get_result(), collector.nodeid)
 
 
+def example(name: str):
+    """The module ``examples/<name>.py``, loaded from its file (the examples are not a
+    package)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        f"example_{name}", os.path.join(root, "examples", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def grid(**axes):
     """Every combination of the given values: grid(B=(2, 3), S=(4, 9)) -> 4 points."""
     import itertools

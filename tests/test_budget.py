@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zoo
+from conftest import example
 from memsim.analysis.budget import Overheads, plan
 from memsim.analysis.gpus import gpu, load_catalog, parse_memory
 from oracles.measure import example_inputs, materialize, measure_train
@@ -170,10 +171,7 @@ ARGS = ["examples/nanogpt_block.py:small", "--input", "x=float32[B,S,64]", "--de
 
 def _example_peak():
     """A real CPU step of ARGS's target at B 2, S 8."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("nanogpt_block", "examples/nanogpt_block.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = example("nanogpt_block")
     return _measured_peak(mod.small, {"x": ("float32", ["B", "S", 64])}, {"B": 2, "S": 8})
 
 

@@ -23,13 +23,10 @@ def test_json_shape_and_values(capsys):
         parsed = sympy.sympify(e["formula"], locals={"B": B, "S": S})
         assert int(parsed.subs({B: 2, S: 8})) == e["bytes"]
     # the figures are a real run's (the CLI's target materialized, run for real on the CPU)
-    import importlib.util
-
     import torch
+    from conftest import example
     from oracles.measure import example_inputs, materialize, measure_inference, measure_train
-    spec = importlib.util.spec_from_file_location("nanogpt_block", "examples/nanogpt_block.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = example("nanogpt_block")
     torch.manual_seed(0)
     real = materialize(mod.small())
     x = example_inputs({"x": ("float32", ["B", "S", 64])}, {"B": 2, "S": 8})

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from conftest import example
 from memsim.cli import main
 from oracles.measure import example_inputs, materialize, measure_train
 
@@ -24,10 +25,7 @@ def _analyze_json(capsys, extra: list[str]) -> dict:
 
 
 def _real_peak(optimizer=None):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("nanogpt_block", "examples/nanogpt_block.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = example("nanogpt_block")
     torch.manual_seed(0)
     return measure_train(materialize(mod.small()),
                          example_inputs({"x": ("float32", ["B", "S", 64])}, {"B": 2, "S": 8}),

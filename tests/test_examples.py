@@ -6,31 +6,21 @@ gpt2_24gb without checkpointing). The full forms are the real-size questions (mi
 README shows their outputs."""
 
 import contextlib
-import importlib.util
 import io
-import os
 import re
 
 import pytest
 import torch
 
+from conftest import example
 from memsim.render import human
 from oracles.measure import example_inputs, materialize, measure_train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = ["own_cnn", "gpt2_24gb", "llama3_8b_lora", "llama13b_zero3", "llama70b_tp_fsdp",
             "vit_resolution"]
 SIZE = r"(-?[\d.]+ (?:B|KiB|MiB|GiB|TiB))"
 PEAK = re.compile(SIZE.replace("(", "(?P<human>", 1) + r" \((?P<bytes>[\d,]+) B\)")
 _OUT: dict = {}
-
-
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}",
-                                                  os.path.join(ROOT, "examples", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _run(name: str, **options) -> str:
@@ -45,7 +35,7 @@ def _run(name: str, **options) -> str:
         buf = io.StringIO()
         try:
             with contextlib.redirect_stdout(buf):
-                _module(name).main(small=True, **options)
+                example(name).main(small=True, **options)
         finally:
             if hf_logging is not None:
                 hf_logging.set_verbosity(level)
@@ -116,7 +106,7 @@ def _real_peak(model, inputs, point, **kw) -> int:
 
 
 def test_own_cnn_peak_equals_a_real_cpu_run():
-    mod = _module("own_cnn")
+    mod = example("own_cnn")
     c = mod.config(small=True)
     model = mod.CNN(c["widths"], c["classes"])
     assert _printed_peak("own_cnn", "B=4:") == _real_peak(model, mod.inputs(small=True),
@@ -125,7 +115,7 @@ def test_own_cnn_peak_equals_a_real_cpu_run():
 
 def test_vit_resolution_peak_equals_a_real_cpu_run():
     pytest.importorskip("transformers", reason="pip install -e '.[test]'")
-    mod = _module("vit_resolution")
+    mod = example("vit_resolution")
     model = mod.model(32, small=True)  # built on the CPU: materialize() keeps it
     assert _printed_peak("vit_resolution", "32x32") == _real_peak(
         model, mod.inputs(32), {"B": 4}, precision="bf16-mixed")
@@ -133,7 +123,7 @@ def test_vit_resolution_peak_equals_a_real_cpu_run():
 
 def test_gpt2_peak_equals_a_real_cpu_run():
     transformers = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
-    mod = _module("gpt2_24gb")
+    mod = example("gpt2_24gb")
     c = mod.config(small=True)
     # built on the CPU, not on meta: to_empty() would untie the head from the embedding
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**c["gpt2"]))

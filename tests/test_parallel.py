@@ -8,6 +8,7 @@ import torch
 
 import oracles.dist as O
 import zoo
+from conftest import example
 from memsim.strategies import DDP, FSDP, LoRA, TensorParallel
 from memsim.strategies.api import analyze
 from memsim.render import strategy_text
@@ -733,10 +734,7 @@ def test_cli_fsdp_shard_dim(capsys):
     assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["strategy"]["fsdp"]["shard_dims"] == [["c_attn.weight", 1], ["*", 0]]
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("nanogpt_block", "examples/nanogpt_block.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = example("nanogpt_block")
     with torch.device("meta"):
         m = mod.small()
     x = {"x": ("float32", ["B", "S", 64])}
@@ -761,10 +759,7 @@ def test_cli_fsdp_mixed_precision(capsys):
     doc = json.loads(capsys.readouterr().out)
     fsdp = doc["strategy"]["fsdp"]
     assert (fsdp["param_dtype"], fsdp["reduce_dtype"]) == ("bfloat16", "float32")
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("nanogpt_block", "examples/nanogpt_block.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = example("nanogpt_block")
     with torch.device("meta"):
         m = mod.small()
     api = analyze(m, {"x": ("float32", ["B", "S", 64])}, device="cpu", inference=False,
