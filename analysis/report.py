@@ -745,8 +745,9 @@ def cross_conditions(report: Report, skip: frozenset = frozenset(), root: Report
     ranks evenly or not: ``Ne(Mod(B, 2), 0)`` at the example size B = 5) makes the formulas
     hold on part of the sizes only, and every even B was traced again with B fixed. It is
     crossed by tracing once more at the example size, at least three periods up, where the
-    most of the symbol's residue conditions are false (the first such). Where the two traces' residue conditions cover every residue
-    (checked over their period) and the rest agree: with the same figures (the same
+    most of the symbol's residue conditions are false (the first such). Where the two traces'
+    residue conditions cover every residue (checked over their period) and the rest agree:
+    with the same figures (the same
     allocations and releases, in order, of the same sizes), the conditions change nothing and
     are dropped; with others, the second trace is a side of this report (:attr:`Report.sides`)
     that :meth:`Report.for_point` and :meth:`Report.at` answer from, its own conditions on the

@@ -6,10 +6,10 @@ scalar) or another path (a later view that copies in one and not in the other). 
 OpInfo of PyTorch's own test suite, its first 4 samples in float32 on the CPU run with their
 inputs as given, and with every input of two or more dimensions transposed in its last two
 (same values, the layout a ``transpose`` gives); its first 4 samples with a non-empty input of
-four or five dimensions run with those inputs channels-last. Each runs with real tensors, under ``FakeTensorMode``, and under
-``FakeTensorMode`` with memsim's ATen rules applied as its recorder applies them
-(``tracer/kernels.py``; a rule makes the real kernel's tensors in a trace), then takes the
-gradients of its outputs' sums. An output or gradient whose storage size or strides differ
+four or five dimensions run with those inputs channels-last. Each runs with real tensors,
+under ``FakeTensorMode``, and under ``FakeTensorMode`` with memsim's ATen rules applied as its
+recorder applies them (``tracer/kernels.py``; a rule makes the real kernel's tensors in a
+trace), then takes the gradients of its outputs' sums. An output or gradient whose storage size or strides differ
 between the real and the fake run is listed, with the ATen ops of the fake run that memsim has
 a rule for, and whether the run with the rules equals the real one. A difference the rules
 bring in (the real and fake runs equal, the rules' run not) is listed too: a rule of memsim's

@@ -8,9 +8,9 @@ report where the other side's figures differ. This times ``analyze`` on a 2-laye
 (hidden 64, Hugging Face's SDPA attention: ``tests/oracles/dist.py``'s ``llama_model``) over TP 2
 and TP 2 with SP, and one with 8 heads (hidden 256) over TP 8 with SP (its sequence traced at
 S = 29: ``strategies/api.py``'s ``_sequence_hints``), on the CPU, with the crossing and without
-it (``cross_conditions`` replaced by the identity in this process), and how many points of the 16 of a sweep (B 1-8 x S 16-128, even
-and odd) each answers from its formulas, without tracing again. Run on demand (about two minutes on
-2 cores)::
+it (``cross_conditions`` replaced by the identity in this process), and how many points of
+the 16 of a sweep (B 1-8 x S 16-128, even and odd) each answers from its formulas, without
+tracing again. Run on demand (about two minutes on 2 cores)::
 
     python benchmarks/tp_conditions.py
 """

@@ -688,7 +688,7 @@ def padding_note(model: torch.nn.Module, fsdp: FSDP | None,
     experts over 64 ranks leave each rank a whole expert, 8 times an even split."""
     if fsdp is None or tp is not None or fsdp.dp == 1:
         return None
-    moved = [pat for pat, dim in fsdp.shard_dims if dim]
+    moved = any(dim for _, dim in fsdp.shard_dims)
     total = padded = 0
     short = []
     seen = set()
@@ -697,7 +697,7 @@ def padding_note(model: torch.nn.Module, fsdp: FSDP | None,
             continue
         seen.add(id(p))
         total += p.numel()
-        if any(fnmatch.fnmatchcase(name, pat) for pat, _ in fsdp.shard_dims):
+        if _placement(name, fsdp) is not None:
             continue
         rows = p.shape[0]
         held = -(-rows // fsdp.dp) * fsdp.dp * (p.numel() // rows if rows else 0)
@@ -754,6 +754,13 @@ def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
                 **kw)
 
 
+def _placement(name: str, fsdp: FSDP) -> tuple[str, int] | None:
+    """The first ``(pattern, dim)`` of :attr:`FSDP.shard_dims` whose pattern matches the
+    parameter ``name`` (None: FSDP2's ``Shard(0)``)."""
+    return next(((pat, dim) for pat, dim in fsdp.shard_dims
+                 if fnmatch.fnmatchcase(name, pat)), None)
+
+
 def _shard_dims(model: torch.nn.Module, fsdp: FSDP, ranks: int) -> dict[int, int]:
     """``id(parameter) -> dim`` for the parameters :attr:`FSDP.shard_dims` moves off dimension
     0 (the first pattern a name matches), checked as ``fully_shard`` would check them inside
@@ -765,24 +772,24 @@ def _shard_dims(model: torch.nn.Module, fsdp: FSDP, ranks: int) -> dict[int, int
     out: dict[int, int] = {}
     used = set()
     for name, p in named:
-        for pattern, dim in fsdp.shard_dims:
-            if not fnmatch.fnmatchcase(name, pattern):
-                continue
-            used.add(pattern)
-            local = p.to_local().shape if isinstance(p, DTensor) else p.shape
-            if dim >= len(local):
-                raise StrategyError(
-                    f"FSDP shard_dims {pattern!r}: {dim} is not a dimension of {name!r} "
-                    f"(shape {tuple(local)})", hint="dimensions count from 0")
-            if dim > 0 and local[dim] % ranks:
-                raise StrategyError(
-                    f"FSDP shard_dims {pattern!r}: dimension {dim} of {name!r} (shape "
-                    f"{tuple(local)}) does not divide by {ranks} ranks, and FSDP2 pads only "
-                    "dimension 0", hint="choose a dimension the ranks divide, or a pattern "
-                    "that leaves this parameter on dimension 0")
-            if dim:
-                out[id(p)] = dim
-            break
+        hit = _placement(name, fsdp)
+        if hit is None:
+            continue
+        pattern, dim = hit
+        used.add(pattern)
+        local = p.to_local().shape if isinstance(p, DTensor) else p.shape
+        if dim >= len(local):
+            raise StrategyError(
+                f"FSDP shard_dims {pattern!r}: {dim} is not a dimension of {name!r} "
+                f"(shape {tuple(local)})", hint="dimensions count from 0")
+        if dim > 0 and local[dim] % ranks:
+            raise StrategyError(
+                f"FSDP shard_dims {pattern!r}: dimension {dim} of {name!r} (shape "
+                f"{tuple(local)}) does not divide by {ranks} ranks, and FSDP2 pads only "
+                "dimension 0", hint="choose a dimension the ranks divide, or a pattern "
+                "that leaves this parameter on dimension 0")
+        if dim:
+            out[id(p)] = dim
     for pattern, _ in fsdp.shard_dims:
         if pattern not in used:
             some = ", ".join(repr(n) for n, _ in named[:3])
