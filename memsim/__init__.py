@@ -30,7 +30,7 @@ _EXPORTS = {
     "memsim.analysis": ("FittedReport", "Report", "StepMemory"),
     "memsim.strategies": ("DDP", "FSDP", "Checkpoint", "LoRA", "QLoRA", "Strategy",
                           "StrategyReport", "TensorParallel", "ZeRO", "analyze"),
-    "memsim.tracer": ("Category", "DataDependentError", "Device", "InputError", "Loop",
+    "memsim.tracer": ("Category", "CpuIsa", "DataDependentError", "Device", "InputError", "Loop",
                       "MemsimError", "OutOfRangeError", "Precision", "SpecializationError",
                       "StepConfig", "StrategyError", "TraceError", "UnsupportedOpError",
                       "UsageError", "trace"),
@@ -52,7 +52,8 @@ def __dir__():
     return sorted(set(globals()) | set(_WHERE))
 
 
-__all__ = ["__version__", "analyze", "trace", "StepConfig", "Device", "Precision", "Loop",
+__all__ = ["__version__", "analyze", "trace", "StepConfig", "Device", "CpuIsa", "Precision",
+           "Loop",
            "Report", "FittedReport", "StrategyReport", "StepMemory", "Category", "Strategy", "LoRA", "QLoRA",
            "Checkpoint", "FSDP", "TensorParallel", "ZeRO", "DDP", "MemsimError", "InputError",
            "UsageError", "TraceError", "UnsupportedOpError", "DataDependentError",

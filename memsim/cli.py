@@ -83,6 +83,10 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--at", metavar="B=4,S=2048", help="evaluate every formula at this point")
     a.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="whose kernels to model (default cuda)")
+    a.add_argument("--cpu-isa", choices=("avx512", "avx2"), default="avx512",
+                   help="with --device cpu, the modelled CPU's instruction set where kernels "
+                        "differ by it (bf16 nn.LSTM: oneDNN with AVX-512, PyTorch's native "
+                        "kernel without); default avx512, whatever the machine memsim runs on")
     a.add_argument("--hint", metavar="S=64", help="example sizes for the symbolic run")
     a.add_argument("--optimizer", default=None,
                    help="a torch.optim class, with its options as Python writes them "
@@ -227,7 +231,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args, hints=None) -> StepConfig:
     """The step the options describe, validated once, before any trace."""
-    return StepConfig(device=args.device, precision=args.precision, optimizer=args.optimizer,
+    return StepConfig(device=args.device, cpu_isa=args.cpu_isa, precision=args.precision,
+                      optimizer=args.optimizer,
                       accumulate=args.accumulate, compiled=args.compiled, hints=hints or {},
                       loop=Loop.DROP if args.drop_outputs else Loop.KEEP,
                       fold=not args.no_fold)

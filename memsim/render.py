@@ -174,6 +174,7 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None,
     (:meth:`Report.for_point`); ``full`` is the report asked for, whose code paths are listed."""
     at = {**report.fixed, **(point or {})}
     doc: dict = {"memsim": VERSION, "device": report.device,
+                 **({"cpu_isa": report.config.cpu_isa.value} if report.device == "cpu" else {}),
                  "precision": report.precision, "accumulate": report.accumulate,
                  "outputs": report.config.loop.value,
                  "compiled": report.compiled, "symbols": list(report.symbols), "at": at or None, "fixed": dict(report.fixed),
@@ -414,7 +415,9 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
             seq: str = "S") -> str:
     """Readable tables: figures with formulas, the peak's regimes, breakdown, top modules."""
     out = [f"memsim {VERSION} — device modelled: {report.device} "
-           f"({DEVICE_NOTES[report.device]}); precision {report.precision}"
+           f"({DEVICE_NOTES[report.device]}"
+           + (f", a CPU with{'out' if report.config.cpu_isa.value == 'avx2' else ''} AVX-512"
+              if report.device == "cpu" else "") + f"); precision {report.precision}"
            + (f"; {report.accumulate} micro-batches per step" if report.accumulate > 1 else "")
            + ("; the loop drops the forward output once the loss exists, and in inference "
               "before the next forward (--drop-outputs)"

@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 
 from memsim.analysis import analyze
+from memsim.tracer import CpuIsa
 from oracles.measure import example_inputs, materialize, measure_inference, measure_train
 
 
 def predict(factory, inputs, **kw):
-    """Analyse the model built on the meta device (never materialized)."""
+    """Analyse the model built on the meta device (never materialized), modelling this
+    machine's CPU (the real run's), unless ``cpu_isa`` says otherwise."""
     with torch.device("meta"):
         model = factory()
+    kw.setdefault("cpu_isa", CpuIsa.host())
     return analyze(model, inputs, device="cpu", **kw)
 
 

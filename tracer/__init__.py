@@ -9,7 +9,7 @@ one registry, :mod:`memsim.tracer.rules`.
 from __future__ import annotations
 
 from . import precision  # noqa: F401  (memsim.tracer.precision: the precision modes)
-from .config import Device, Loop, StepConfig
+from .config import CpuIsa, Device, Loop, StepConfig
 from .driver import Driver
 from .errors import (
     DataDependentError,
@@ -30,7 +30,7 @@ from .step import LossFn, OptimizerFactory, default_loss
 from .trace import Trace, trace
 
 __all__ = [
-    "trace", "Trace", "StepConfig", "Device", "Loop", "Precision", "Driver", "TensorSpec",
+    "trace", "Trace", "StepConfig", "Device", "CpuIsa", "Loop", "Precision", "Driver", "TensorSpec",
     "Category", "Phase", "Storage", "Event", "RunRecord", "OpRecord", "LeafRecord",
     "MODEL_STATE", "symbol", "make_spec", "parse_input", "parse_assignments", "is_tensor_spec",
     "default_loss", "LossFn", "OptimizerFactory", "MemsimError", "InputError", "UsageError",

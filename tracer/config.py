@@ -35,6 +35,26 @@ class Device(Word):
     CPU = "cpu"
 
 
+class CpuIsa(Word):
+    """The modelled CPU's instruction set, where PyTorch's CPU kernels differ by it (device
+    ``"cpu"`` only; the machine memsim runs on never decides).
+
+    ``avx512``: x86 with AVX-512 (BW, VL, DQ), or Arm with BF16: oneDNN runs bf16 kernels
+    (``nn.LSTM`` in bf16 takes oneDNN's kernel). ``avx2``: x86 without AVX-512: no bf16 kernel
+    in oneDNN (``nn.LSTM`` in bf16 takes PyTorch's native one, a loop over time steps)."""
+
+    AVX512 = "avx512"
+    AVX2 = "avx2"
+
+    @classmethod
+    def host(cls) -> "CpuIsa":
+        """The instruction set PyTorch's kernels see on this machine (for comparisons with a
+        real run here; ``ONEDNN_MAX_CPU_ISA=AVX2`` makes an AVX-512 machine answer ``avx2``)."""
+        import torch
+
+        return cls.AVX512 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else cls.AVX2
+
+
 class Loop(Word):
     """What the training loop keeps referenced once the loss exists.
 
@@ -74,6 +94,9 @@ class StepConfig:
     ----------
     device : Device
         Whose kernels and allocator are modelled (``"cuda"`` default, ``"cpu"``).
+    cpu_isa : CpuIsa
+        With ``device="cpu"``, the CPU's instruction set (``"avx512"`` default, ``"avx2"``):
+        where kernels differ by it, the modelled one decides, never the host's.
     precision : Precision
         A mode of :mod:`memsim.tracer.precision` (``"32-true"`` default).
     optimizer : str, callable or None
@@ -99,6 +122,7 @@ class StepConfig:
     """
 
     device: Device = Device.CUDA
+    cpu_isa: CpuIsa = CpuIsa.AVX512
     precision: Precision = Precision.TRUE32
     optimizer: str | Callable | None = None
     loss_fn: Callable | None = None
@@ -112,6 +136,7 @@ class StepConfig:
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen)
         put("device", _enum(Device, self.device, "device"))
+        put("cpu_isa", _enum(CpuIsa, self.cpu_isa, "cpu_isa"))
         put("precision", Precision.parse(self.precision))
         put("loop", _enum(Loop, self.loop, "loop"))
         if isinstance(self.optimizer, str):
@@ -130,8 +155,8 @@ class StepConfig:
         put("limits", _sizes(self.limits, "limits"))
 
     def __hash__(self) -> int:
-        return hash((self.device, self.precision, self.optimizer, self.loss_fn, self.loop,
-                     self.accumulate, self.compiled, tuple(sorted(self.hints.items())),
+        return hash((self.device, self.cpu_isa, self.precision, self.optimizer, self.loss_fn,
+                     self.loop, self.accumulate, self.compiled, tuple(sorted(self.hints.items())),
                      tuple(sorted(self.limits.items())), self.fold))
 
     @property

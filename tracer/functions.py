@@ -15,6 +15,7 @@ choices live with their device (:mod:`memsim.tracer.cuda`); here:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 from fractions import Fraction
 
@@ -22,9 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .config import CpuIsa
+from .known import assume
 from .rules import Kind, keys, lookup, rule
 
 aten = torch.ops.aten
+# the modelled CPU's instruction set, for the rules whose kernel choice depends on it (set by
+# function_rules for the run)
+_CPU_ISA: contextvars.ContextVar[CpuIsa] = contextvars.ContextVar("cpu_isa",
+                                                                  default=CpuIsa.AVX512)
 
 
 class FunctionRules(TorchFunctionMode):
@@ -45,13 +52,18 @@ class FunctionRules(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def function_rules(device: str):
+def function_rules(device: str, cpu_isa: CpuIsa = CpuIsa.AVX512):
     """Inside: functions with a rule for ``device`` run as the rule says (and FlexAttention as
-    eager PyTorch runs it there: :func:`flex_attention_eager`)."""
+    eager PyTorch runs it there: :func:`flex_attention_eager`); ``cpu_isa`` is the modelled
+    CPU's instruction set where a CPU kernel depends on it."""
     from . import cuda, rnn_cuda  # noqa: F401  (register CUDA's kernel choices, cuDNN's RNNs)
 
-    with FunctionRules(device), flex_attention_eager(device):
-        yield
+    token = _CPU_ISA.set(CpuIsa(cpu_isa))
+    try:
+        with FunctionRules(device), flex_attention_eager(device):
+            yield
+    finally:
+        _CPU_ISA.reset(token)
 
 
 # (mode, spatial dims) -> the ATen overload upsample_*.vec calls, and whether it takes
@@ -185,12 +197,19 @@ def _rnn_layout(params, has_biases, num_layers: int, bidirectional: bool):
 
 
 def _mkldnn_lstm_used(input, hx, params) -> bool:
-    """Whether PyTorch's CPU LSTM runs oneDNN (``use_mkldnn`` in aten's RNN.cpp): oneDNN on,
-    fp32 (or bf16 where the CPU supports it) everywhere, no projection (two or four weights per
-    layer and direction)."""
+    """Whether PyTorch's CPU LSTM runs oneDNN (``use_mkldnn`` in aten's RNN.cpp) on the modelled
+    CPU: oneDNN on, fp32 (or bf16 where the modelled CPU has AVX-512: ``cpu_isa``, never the
+    host's) everywhere, no projection (two or four weights per layer and direction)."""
     dtypes = {input.dtype, *(h.dtype for h in hx), *(p.dtype for p in params)}
-    ok = {torch.float32} | ({torch.bfloat16} if torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                            else set())
+    ok = {torch.float32} | ({torch.bfloat16} if _CPU_ISA.get() is CpuIsa.AVX512 else set())
+    if torch.bfloat16 in dtypes:
+        isa = _CPU_ISA.get()
+        assume(f"modelled: a CPU {'with' if isa is CpuIsa.AVX512 else 'without'} AVX-512 "
+               f"(cpu_isa={isa.value!r}): nn.LSTM in bf16 runs "
+               + ("oneDNN's kernel" if isa is CpuIsa.AVX512 else "PyTorch's native kernel")
+               + " there; "
+               + ("'avx2' models a CPU without AVX-512" if isa is CpuIsa.AVX512
+                  else "'avx512' models one with it"))
     return (torch._C._get_mkldnn_enabled() and torch.backends.mkldnn.is_available()
             and len(dtypes) == 1 and dtypes <= ok and hx[0].shape[-1] == hx[1].shape[-1])
 
@@ -202,11 +221,16 @@ def _mkldnn_lstm_used(input, hx, params) -> bool:
 def _lstm_mkldnn(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                  batch_first):
     """``aten::lstm.input`` as its oneDNN path issues ATen ops, or None (a packed sequence, a
-    projection, another dtype: left to PyTorch)."""
+    projection: left to PyTorch). Where the modelled CPU does not run oneDNN (another dtype,
+    bf16 on a CPU without AVX-512), PyTorch's native kernel with oneDNN off: its C++ entry
+    would ask the host's CPU instead."""
     layout = _rnn_layout(params, has_biases, num_layers, bidirectional)
-    if layout is None or not isinstance(hx, (tuple, list)) \
-            or not _mkldnn_lstm_used(input, hx, params):
+    if layout is None or not isinstance(hx, (tuple, list)):
         return None
+    if not _mkldnn_lstm_used(input, hx, params):
+        with torch.backends.mkldnn.flags(enabled=False):
+            return torch._VF.lstm(input, hx, params, has_biases, num_layers, dropout, train,
+                                  bidirectional, batch_first)
     dirs, per = layout
     x = input.transpose(0, 1) if batch_first else input
     x = first = x.contiguous()  # a C++ local there: alive to the end of the call (``first``)

@@ -457,7 +457,7 @@ def _enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, co
     stack.enter_context(fake_module(model, "cpu", None if driver is not None else low))
     stack.enter_context(optimizer_defaults_for(config.device))
     stack.enter_context(_modes_in_recompute(recorder))
-    stack.enter_context(function_rules(config.device))
+    stack.enter_context(function_rules(config.device, config.cpu_isa))
     if patches is not None:
         stack.enter_context(patches(model))
     if transform is not None:

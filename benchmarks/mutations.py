@@ -1,0 +1,226 @@
+"""Mutation testing: put one plausible bug at a time into memsim's engine and see a test fail.
+
+Each mutation replaces one exact piece of source (it must occur exactly once in its file) with a
+wrong version, in a staged copy of the package; the working tree is never touched, so other
+work can go on beside a run. The staged copy is laid out as the installed package
+(``memsim/``, ``memsim/tracer``, ``memsim/analysis``, ``memsim/strategies``) and put first on
+``PYTHONPATH``, ahead of the editable install, for the tests named with the mutation. A mutation
+is *killed* when those tests fail, *survived* when they pass; a mutation whose text is no longer
+in its file is *stale* and fails the run, as a survivor does.
+
+    python benchmarks/mutations.py                 # every mutation, killed/survived and the score
+    python benchmarks/mutations.py --list          # their names
+    python benchmarks/mutations.py --only NAME ... # some of them
+    python benchmarks/mutations.py --file analysis/peak.py --old 'a <= b' --new 'a < b' \\
+        --tests tests/test_peak.py                 # one ad-hoc mutation, not in the list
+
+Exit 0 when every mutation run was killed. Survivors that no test can kill are listed in
+``KNOWN_SURVIVORS`` with the reason, and reported as such instead of failing the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the installed layout: package name -> source folder in the repository
+LAYOUT = {"memsim": "memsim", "memsim/tracer": "tracer", "memsim/analysis": "analysis",
+          "memsim/strategies": "strategies"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """One bug: in ``path`` (repository-relative), ``old`` (occurring exactly once) becomes
+    ``new``; ``tests`` are the pytest arguments that must fail on it."""
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    what: str = ""
+
+
+ACC = "tests/test_accuracy.py"
+MUTATIONS: list[Mutation] = [
+    # the recorder: what is an allocation, when it is released
+    Mutation("view-counted-as-allocation", "tracer/recorder.py",
+             "sid = self._live.get(key)\n        if sid is not None:",
+             "sid = None\n        if sid is not None:",
+             (f"{ACC}::test_matches_real_run",),
+             "a view of a live storage is recorded as a new allocation"),
+    Mutation("release-one-op-late", "tracer/recorder.py",
+             "self.run.storages[sid].free = self.time\n"
+             "            self.run.events.append(Event(-1, sid, self.time))",
+             "self.run.storages[sid].free = self.time + 1\n"
+             "            self.run.events.append(Event(-1, sid, self.time + 1))",
+             (f"{ACC}::test_matches_real_run",),
+             "a storage is released one op after Python drops it"),
+    # the modelled CPU decides, not the host's
+    Mutation("lstm-bf16-asks-the-host", "tracer/functions.py",
+             "if _CPU_ISA.get() is CpuIsa.AVX512 else set())",
+             "if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set())",
+             ("tests/test_host.py",),
+             "oneDNN's bf16 LSTM is chosen by the host's CPU: another answer on a CPU "
+             "without AVX-512"),
+    Mutation("lstm-native-asks-the-host", "tracer/functions.py",
+             "with torch.backends.mkldnn.flags(enabled=False):",
+             "with contextlib.nullcontext():",
+             (f"{ACC}::test_lstm_symbolic_in_batch_and_time[uni-bf16-true-avx2]",),
+             "modelling a CPU without AVX-512, PyTorch's C++ entry still asks the host"),
+    # precision
+    Mutation("bf16-mixed-keeps-fp32-activations", "tracer/precision.py",
+             "return {Precision.BF16_MIXED: torch.bfloat16,",
+             "return {Precision.BF16_MIXED: torch.float32,",
+             ("tests/test_precision.py::test_precision_matches_real_run",),
+             "bf16-mixed autocasts to fp32: activations stay fp32"),
+    # the caching allocator's replay
+    Mutation("allocator-rounds-to-256-bytes", "analysis/caching.py",
+             "MIN_BLOCK = 512 ", "MIN_BLOCK = 256 ",
+             ("tests/test_caching.py",), "requests rounded to 256-byte blocks"),
+    Mutation("allocator-split-threshold", "analysis/caching.py",
+             "return size < self.conf.max_split_size and rest > SMALL_SIZE",
+             "return size < self.conf.max_split_size and rest >= SMALL_SIZE",
+             ("tests/test_caching.py",),
+             "a large block is split when exactly 1 MiB would remain"),
+    # strategies
+    Mutation("sequence-parallel-shards-hidden", "strategies/parallel.py",
+             "sequence_dim: int = 1", "sequence_dim: int = 2",
+             ("tests/test_parallel.py::test_sequence_parallel_llama_matches_real_gloo_run",),
+             "sequence parallelism shards the hidden dimension"),
+    # the command line
+    Mutation("cli-ignores-drop-outputs", "memsim/cli.py",
+             "loop=Loop.DROP if args.drop_outputs else Loop.KEEP",
+             "loop=Loop.KEEP",
+             ("tests/test_hf.py::test_cli_drop_outputs_and_a_misspelled_input",),
+             "--drop-outputs is parsed and ignored"),
+]
+
+# mutations no test can kill, with the reason (name -> why)
+KNOWN_SURVIVORS: dict[str, str] = {}
+
+
+def stage(into: str) -> str:
+    """Copy the package, laid out as installed, under ``into``; returns the folder to put on
+    ``PYTHONPATH``."""
+    for pkg, src in LAYOUT.items():
+        shutil.copytree(os.path.join(ROOT, src), os.path.join(into, pkg),
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return into
+
+
+def staged_path(staging: str, path: str) -> str:
+    """Where the repository file ``path`` lies in the staged package."""
+    top, _, rest = path.partition("/")
+    for pkg, src in LAYOUT.items():
+        if src == top:
+            return os.path.join(staging, pkg, rest)
+    raise SystemExit(f"{path}: not in the engine's packages ({', '.join(LAYOUT.values())})")
+
+
+def apply(staging: str, m: Mutation) -> str | None:
+    """Apply ``m`` to the staged copy; None, or why it could not be applied."""
+    target = staged_path(staging, m.path)
+    with open(target) as f:
+        text = f.read()
+    count = text.count(m.old)
+    if count != 1:
+        return f"stale: the text to mutate occurs {count} times in {m.path}"
+    with open(target, "w") as f:
+        f.write(text.replace(m.old, m.new))
+    return None
+
+
+def staged_env(staging: str) -> dict:
+    """The environment that imports memsim from ``staging``: first on ``PYTHONPATH``, and
+    ``PYTHONSAFEPATH`` so that no Python process (the tests' subprocesses too) puts the
+    repository's own ``memsim/`` ahead of it from the working directory."""
+    return dict(os.environ, PYTHONPATH=staging + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                PYTHONSAFEPATH="1", PYTHONDONTWRITEBYTECODE="1")
+
+
+def run_tests(staging: str, tests: tuple[str, ...], extra: list[str]) -> tuple[int, float, str]:
+    env = staged_env(staging)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "--no-header",
+                           "--import-mode=importlib", *extra,
+                           *tests], cwd=ROOT, env=env, capture_output=True, text=True)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    return proc.returncode, time.monotonic() - start, (out[-1] if out else "")
+
+
+def check_staging(staging: str) -> None:
+    """The staged copy, not the editable install, is what the tests import."""
+    env = staged_env(staging)
+    where = subprocess.run([sys.executable, "-c", "import memsim.analysis as a; print(a.__file__)"],
+                           cwd=ROOT, env=env, capture_output=True, text=True).stdout.strip()
+    if not where.startswith(staging):
+        raise SystemExit(f"the tests would import memsim from {where!r}, not the staged copy")
+
+
+def mutate(m: Mutation, extra: list[str]) -> tuple[str, float, str]:
+    """('killed' | 'survived' | 'stale' | 'error', seconds, pytest's last line)."""
+    with tempfile.TemporaryDirectory(prefix="memsim-mutant-") as tmp:
+        staging = stage(tmp)
+        check_staging(staging)
+        why = apply(staging, m)
+        if why is not None:
+            return "stale", 0.0, why
+        rc, secs, last = run_tests(staging, m.tests, extra)
+    # pytest: 0 all passed, 1 some failed; 2-5 interrupted, internal or usage error, none ran
+    status = {0: "survived", 1: "killed"}.get(rc, "error")
+    return status, secs, last
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--list", action="store_true", help="print the mutations' names")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run these mutations only")
+    ap.add_argument("--file", help="an ad-hoc mutation: the file (repository-relative)")
+    ap.add_argument("--old", help="an ad-hoc mutation: the exact text to replace")
+    ap.add_argument("--new", help="an ad-hoc mutation: its replacement")
+    ap.add_argument("--tests", nargs="+", help="an ad-hoc mutation: pytest arguments")
+    ap.add_argument("--pytest-args", default="", help="more arguments for every pytest run")
+    args = ap.parse_args(argv)
+    names = [m.name for m in MUTATIONS]
+    if len(set(names)) != len(names):
+        raise SystemExit("two mutations share a name")
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name}: {m.path}  {m.what}")
+        return 0
+    if args.file:
+        if not (args.old and args.new is not None and args.tests):
+            raise SystemExit("--file needs --old, --new and --tests")
+        chosen = [Mutation("ad-hoc", args.file, args.old, args.new, tuple(args.tests))]
+    else:
+        unknown = set(args.only or ()) - set(names)
+        if unknown:
+            raise SystemExit(f"unknown mutation(s): {', '.join(sorted(unknown))}")
+        chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    extra = args.pytest_args.split()
+    results = []
+    for m in chosen:
+        status, secs, last = mutate(m, extra)
+        if status == "survived" and m.name in KNOWN_SURVIVORS:
+            status = "known survivor"
+        results.append((m, status))
+        print(f"{status:>14}  {m.name}  ({secs:.0f} s)  {last}", flush=True)
+        if status == "known survivor":
+            print(f"{'':>16}why: {KNOWN_SURVIVORS[m.name]}")
+    killed = sum(s == "killed" for _, s in results)
+    print(f"\nscore: {killed} of {len(results)} mutations killed"
+          + "".join(f"; {sum(s == k for _, s in results)} {k}"
+                    for k in ("survived", "known survivor", "stale", "error")
+                    if any(s == k for _, s in results)))
+    return 0 if all(s in ("killed", "known survivor") for _, s in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
