@@ -94,6 +94,33 @@ MUTATIONS: list[Mutation] = [
              "sequence_dim: int = 1", "sequence_dim: int = 2",
              ("tests/test_parallel.py::test_sequence_parallel_llama_matches_real_gloo_run",),
              "sequence parallelism shards the hidden dimension"),
+    # optimizers
+    Mutation("adam8bit-one-moment", "tracer/optimizers.py",
+             '("adam8bit", 2, False)', '("adam8bit", 1, False)',
+             ("tests/test_optimizers.py::test_named_optimizers_match_real_run[adam8bit]",
+              "tests/test_optimizers.py::test_8bit_layout_equals_bitsandbytes[adam8bit-Adam8bit]"),
+             "bitsandbytes' Adam8bit keeps one 8-bit moment instead of two"),
+    Mutation("optimizer-state-only-parameter-shaped", "tracer/step.py",
+             "if isinstance(v, torch.Tensor):",
+             "if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape == p.shape):",
+             ("tests/test_optimizers.py::test_adafactor_factors_second_moments",),
+             "only parameter-shaped state counts as optimizer state: Adafactor's factors vanish"),
+    # what is saved for backward
+    Mutation("saved-only-with-grad-fn", "tracer/recorder.py",
+             "self.mark_saved(t)", "if t.grad_fn is not None: self.mark_saved(t)",
+             ("tests/test_lora.py::test_frozen_base_has_no_gradients_or_state",),
+             "a saved tensor without grad_fn (an adapter's input behind frozen embeddings, a "
+             "mask) is not counted as saved"),
+    Mutation("saved-counts-inputs", "analysis/memory.py",
+             "and s.saved and s.category is Category.ACTIVATION])",
+             "and s.saved and s.category is not Category.PARAMETER])",
+             ("tests/test_lora.py::test_frozen_base_has_no_gradients_or_state",),
+             "saved activations also count saved inputs and buffers"),
+    # LoRA / QLoRA
+    Mutation("qlora-untied-lm-head-not-a-head", "strategies/lora.py",
+             "id(mod.weight) in tied or io[1] in vocab", "id(mod.weight) in tied",
+             ("tests/test_lora.py::test_qlora_matches_real_bitsandbytes_peft_run",),
+             "an untied lm_head is not treated as a head: QLoRA quantizes it"),
     # the command line
     Mutation("cli-ignores-drop-outputs", "memsim/cli.py",
              "loop=Loop.DROP if args.drop_outputs else Loop.KEEP",

@@ -23,8 +23,8 @@ def _peft(factory, lora: LoRA, target_modules):
 
     def real():
         return peft.get_peft_model(factory(), peft.LoraConfig(
-            r=lora.r, lora_alpha=int(lora.r * lora.scaling), lora_dropout=lora.dropout,
-            target_modules=target_modules))
+            r=lora.r, lora_alpha=2 * lora.r, lora_dropout=lora.dropout,
+            target_modules=target_modules))  # alpha (a scale) changes no memory
     return real
 
 
@@ -55,6 +55,8 @@ def test_lora_matches_real_peft_run(kw, targets):
 
 
 def test_frozen_base_has_no_gradients_or_state():
+    """LoRA on nanoGPT's attention (rank 4, B = 3, S = 21): gradients, optimizer states,
+    parameters and saved activations equal the values derived below from the model's sizes."""
     full = predict(lambda: zoo.TinyGPT(layers=2, sdpa=False), GPT, inference=False)
     lora = predict(tiny_lora(r=4), GPT, inference=False)
     pt = {"B": 3, "S": 21}
@@ -64,7 +66,21 @@ def test_frozen_base_has_no_gradients_or_state():
     assert l["gradients"] == adapters
     assert l["optimizer_states"] == 2 * adapters + 4 * 4 * 2  # exp_avg, exp_avg_sq, steps
     assert l["parameters"] == f["parameters"] + adapters
-    assert l["saved_activations"] < f["saved_activations"] + 2 * 3 * 21 * 4 * 4 * 2
+    # saved for backward (B, S, d, heads, vocab = 3, 21, 32, 4, 64; fp32): a frozen weight's
+    # layer saves no input for the weight's gradient (mlp.0, mlp.2, the tied lm_head save
+    # nothing), block 0's input needs no gradient (frozen embeddings) so its ln_1 saves
+    # nothing; each adapter's lora_A saves its input and its lora_B the (B, S, r) in between
+    act, r_in = 3 * 21 * 32 * 4, 3 * 21 * 4 * 4        # 8,064 and 1,008
+    ln = act + 2 * 3 * 21 * 4                           # input, mean, rstd: 8,568
+    attn = (act + r_in                                  # c_attn's lora_A and lora_B inputs
+            + 3 * act                                   # c_attn's output (q, k and v views)
+            + 21 * 21                                   # ~mask, (S, S) bool
+            + 3 * 4 * 21 * 21 * 4                       # softmax output (B, heads, S, S)
+            + act + r_in)                               # c_proj's lora_A and lora_B inputs
+    block = attn + ln + 4 * act                         # + ln_2, GELU's input (B, S, 4d)
+    loss = 3 * 21 * 64 * 4 + 4                          # log-softmax output, nll's weight sum
+    # attn = 63,945, block = 104,769: block 0, block 1 with its ln_1, ln_f, the loss
+    assert l["saved_activations"] == block + (ln + block) + ln + loss == 242_806
 
 
 def llama():
@@ -134,71 +150,103 @@ def test_lora_targets_and_errors():
         parse_lora("rank=4")
 
 
-def _bnb_qlora(factory, q):
-    """The real thing: the model's linear layers (all but the head) as bitsandbytes'
-    ``Linear4bit`` (NF4, double quantization) quantized from its weights on the CPU, then
-    peft's own LoRA on the targets (``get_peft_model``; peft wraps ``Linear4bit`` in its
-    ``lora.Linear4bit`` when the model says it is loaded in 4 bits, as transformers' loader
-    does; no ``prepare_model_for_kbit_training``, which memsim does not model). The
-    quantization state lives in bitsandbytes' QuantState; it is registered as buffers so the
-    oracle counts it. One forward before measuring: bitsandbytes casts a bias to the compute
-    dtype in place on the first one (the measured step is the steady state)."""
+def _register_quant_state(model) -> None:
+    """bitsandbytes keeps each ``Linear4bit``'s quantization state in a ``QuantState`` object,
+    outside the module's tensors: registered as buffers so that the oracle counts it."""
     import bitsandbytes as bnb
-    peft = pytest.importorskip("peft", reason="pip install -e '.[test]'")
 
-    from memsim.strategies.lora import _head_names
+    for mod in model.modules():
+        if isinstance(mod, bnb.nn.Linear4bit):
+            qs = mod.weight.quant_state
+            for k, t in (("absmax", qs.absmax), ("absmax2", qs.state2.absmax),
+                         ("code", qs.code), ("code2", qs.state2.code), ("offset", qs.offset)):
+                mod.register_buffer("_qs_" + k, t)
+
+
+def _hf_4bit(factory, compute: str, folder):
+    """An HF model loaded in 4 bits as a user loads one: saved, then ``from_pretrained`` with
+    transformers' ``BitsAndBytesConfig`` (NF4, double quantization; bitsandbytes' default
+    block of 64), on the CPU. transformers chooses the layers it quantizes: every linear layer
+    but the output head (``lm_head``, untied in this Llama, stays a float ``nn.Linear``). It
+    loads in eval mode; training puts it in train mode, as a trainer does."""
+    T = pytest.importorskip("transformers", reason="pip install -e '.[test]'")
+    torch.manual_seed(0)
+    factory().save_pretrained(folder)
+    return T.AutoModelForCausalLM.from_pretrained(
+        folder, device_map="cpu", quantization_config=T.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=getattr(torch, compute))).train()
+
+
+def _every_linear_4bit(factory, compute: str):
+    """A plain module (no output head) in 4 bits: every ``nn.Linear`` replaced by
+    bitsandbytes' ``Linear4bit`` (NF4, double quantization, block of 64), its ``Params4bit``
+    quantized from the layer's weights when moved to the CPU; the model says it is loaded in 4
+    bits, as transformers' loaded models do (peft then wraps ``Linear4bit`` in its
+    ``lora.Linear4bit``)."""
+    import bitsandbytes as bnb
+
     torch.manual_seed(0)
     model = factory()
-    heads = _head_names(model)
-    for p in model.parameters():
-        p.requires_grad_(False)
     mods = dict(model.named_modules())
     for name, mod in list(mods.items()):
-        if not isinstance(mod, torch.nn.Linear) or name in heads:
+        if not isinstance(mod, torch.nn.Linear):
             continue
         l4 = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                               compute_dtype=getattr(torch, q.compute_dtype), quant_type="nf4",
+                               compute_dtype=getattr(torch, compute), quant_type="nf4",
                                compress_statistics=True)
         l4.weight = bnb.nn.Params4bit(mod.weight.data.clone(), requires_grad=False,
                                       quant_type="nf4", compress_statistics=True,
-                                      blocksize=q.blocksize).to("cpu")
+                                      blocksize=64).to("cpu")
         if mod.bias is not None:
             l4.bias = torch.nn.Parameter(mod.bias.data.clone(), requires_grad=False)
-        qs = l4.weight.quant_state
-        for k, t in (("absmax", qs.absmax), ("absmax2", qs.state2.absmax), ("code", qs.code),
-                     ("code2", qs.state2.code), ("offset", qs.offset)):
-            l4.register_buffer("_qs_" + k, t)
         parent, _, child = name.rpartition(".")
         setattr(mods[parent] if parent else model, child, l4)
     model.is_loaded_in_4bit = True
-    targets = ATTENTION if q.targets == "attention" else list(q.targets)
-    n = len(lora_targets(model, targets))
-    model = peft.get_peft_model(model, peft.LoraConfig(
-        r=q.r, lora_alpha=int(q.r * q.scaling), lora_dropout=q.dropout, target_modules=targets))
-    assert [type(m).__module__ for m in model.modules()].count("peft.tuners.lora.bnb") == n
+    return model
+
+
+def _bnb_qlora(model, target_modules: list, adapters: int):
+    """The real thing: peft's own LoRA (r = 8, alpha = 16) on a model in bitsandbytes' 4 bits
+    (``get_peft_model``: peft wraps each target ``Linear4bit`` in its ``lora.Linear4bit``; no
+    ``prepare_model_for_kbit_training``, which memsim does not model), with its quantization
+    state counted; ``adapters``: how many layers the targets name in the model."""
+    peft = pytest.importorskip("peft", reason="pip install -e '.[test]'")
+    _register_quant_state(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16,
+                                                       target_modules=target_modules))
+    assert [type(m).__module__ for m in model.modules()].count("peft.tuners.lora.bnb") == \
+        adapters
     return model
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,compute", [("llama", "float32"), ("llama", "bfloat16"),
                                            ("wide", "bfloat16")])
-def test_qlora_matches_real_bitsandbytes_peft_run(model, compute):
-    """``apply_qlora`` traced against peft's LoRA on bitsandbytes' ``Linear4bit`` run for real.
-    The wide model (biases, the peak inside the adapted layer) found a difference, now fixed:
-    bitsandbytes holds a bias in the compute dtype after the first forward (memsim cast a copy
-    on every forward: 4,112 B of parameters high in bf16). memsim's adapter on a 4-bit base
-    also follows peft's ``lora.Linear4bit`` forward now (the base output cloned, the adapter's
-    output cast before the sum); at these points the peak is the same with either forward."""
+def test_qlora_matches_real_bitsandbytes_peft_run(model, compute, tmp_path):
+    """``apply_qlora`` traced against a real step of peft's LoRA on bitsandbytes' ``Linear4bit``:
+    the Llama loaded in 4 bits by transformers' own ``from_pretrained`` (which leaves the
+    untied ``lm_head`` in float), the wide model's linear layers all in 4 bits; peak,
+    parameters, gradients and optimizer states at two points. One forward before measuring:
+    bitsandbytes casts a bias to the compute dtype in place on the first one (the measured step
+    is the steady state). The wide model (biases, the peak inside the adapted layer) checks
+    that the bias is held in the compute dtype from then on (a copy cast on every forward is
+    4,112 B of parameters high in bf16) and peft's ``lora.Linear4bit`` forward (the base output
+    cloned, the adapter's output cast before the sum)."""
     pytest.importorskip("bitsandbytes", reason="pip install -e '.[test]'")
     from oracles.measure import example_inputs, measure_train
     from memsim.strategies.lora import QLoRA, apply_qlora
 
-    base, inputs, points, targets = (
-        (llama, LM, ({"B": 2, "S": 8}, {"B": 3, "S": 13}), "attention") if model == "llama"
-        else (Wide, X, ({"B": 64}, {"B": 200}), ("proj",)))
+    if model == "llama":
+        base, inputs, points, targets = llama, LM, ({"B": 2, "S": 8}, {"B": 3, "S": 13}), \
+            "attention"
+        # 4 attention linears in each of the 2 layers
+        real = _bnb_qlora(_hf_4bit(llama, compute, tmp_path), ATTENTION, 2 * 4)
+    else:
+        base, inputs, points, targets = Wide, X, ({"B": 64}, {"B": 200}), ("proj",)
+        real = _bnb_qlora(_every_linear_4bit(Wide, compute), ["proj"], 1)
     q = QLoRA(r=8, compute_dtype=compute, targets=targets)
     report = predict(lambda: apply_qlora(base(), q), inputs, inference=False)
-    real = _bnb_qlora(base, q)
     with torch.no_grad():
         real(**example_inputs(inputs, points[0]))
     for pt in points:
@@ -206,9 +254,12 @@ def test_qlora_matches_real_bitsandbytes_peft_run(model, compute):
         got = report.at(**pt)["train"]
         assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"]) == (
             m.peak, m.parameters, m.gradients, m.optimizer_states), pt
-    if model == "llama":  # the 4-bit base: one byte per two weights, plus the quantization state
-        plain = predict(base, LM, inference=False).at(B=2, S=8)["train"]
-        assert got["parameters"] < plain["parameters"] / 2
+    if model == "llama":
+        # embed_tokens and the float lm_head, 100 x 64 fp32 each: 2 x 25,600; 5 RMSNorm
+        # weights of 64: 1,280; the 4-bit base, one byte per two weights, per layer q, k, v, o
+        # (64 x 64, 32, 32, 64) and gate, up, down (64 x 128 each): 18,432; fp32 adapters of
+        # rank 8 on q, k, v, o: 8 x ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64)) x 4 = 14,336
+        assert got["parameters"] == 2 * 25_600 + 1_280 + 2 * 18_432 + 2 * 14_336 == 118_016
 
 
 class _PoolingHead(torch.nn.Module):
