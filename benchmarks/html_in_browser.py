@@ -5,7 +5,9 @@ The report is the one ``memsim analyze ... --html`` writes for the README's nano
 browser is the system's Chromium (Debian's ``chromium`` package, or Google Chrome), driven from
 its command line: ``--dump-dom`` for what the page shows once loaded, ``--screenshot`` for the
 picture, ``--enable-logging=stderr`` for the console. Where no such browser is installed the
-check is skipped with that reason (exit 0); ``.ci/run`` runs it after the tests.
+check fails (exit 1), saying how to install one: a check that could not run has not passed.
+``.ci/run`` installs Debian's ``chromium`` where no browser is found, then runs it after the
+tests.
 
     python benchmarks/html_in_browser.py [--out DIR]
 """
@@ -30,9 +32,10 @@ def main() -> int:
     args = ap.parse_args()
     browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
     if browser is None:
-        print("skipped: no headless browser installed (looked for " + ", ".join(BROWSERS)
-              + "); apt install chromium to run this check")
-        return 0
+        print("FAILED: the check could not run: no headless browser installed (looked for "
+              + ", ".join(BROWSERS) + " on PATH); install one, e.g. on Debian or Ubuntu "
+              "`apt-get install -y chromium`, and run it again", file=sys.stderr)
+        return 1
     out = args.out or tempfile.mkdtemp(prefix="memsim-html-")
     os.makedirs(out, exist_ok=True)
     page = os.path.join(out, "report.html")
