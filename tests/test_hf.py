@@ -466,3 +466,25 @@ def test_mamba2_scan_over_one_chunk_matches_real_run():
     without a guard). Equal to real runs with one chunk and with two."""
     report = predict(mamba2, LM)
     check(report, mamba2, LM, [{"B": 2, "S": 9}, {"B": 3, "S": 20}])
+
+
+def bigbird():
+    """Block-sparse attention over blocks of 8 with one random block: too short a sequence
+    (S <= (5 + 2 x 1) x 8 = 56) switches the model to full attention, for good."""
+    return T.BigBirdForMaskedLM(T.BigBirdConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=100, max_position_embeddings=256, block_size=8, num_random_blocks=1,
+        attention_type="block_sparse"))
+
+
+def test_a_model_that_changes_itself_is_traced_as_given_every_time():
+    """BigBird's forward replaces its attention modules with full attention the first time it
+    sees a short sequence, and keeps them: memsim's first trace (S = 7) made every later trace
+    full attention, and sizes past 56 were answered for the full-attention model. Each trace now
+    starts from the model as given, the change is named in the notes, and the block-sparse
+    sizes equal real runs of a fresh model, with no hint."""
+    report = predict(bigbird, LM, inference=False)
+    changed = [n for n in report.notes if n.startswith("the model changed itself")]
+    assert len(changed) == 1 and "bert.encoder.attention_type: 'original_full' (was " \
+        "'block_sparse')" in changed[0], report.notes
+    check(report, bigbird, LM, [{"B": 2, "S": 16}, {"B": 2, "S": 64}, {"B": 3, "S": 96}])

@@ -53,6 +53,7 @@ from .errors import (
 from .config import StepConfig
 from .driver import Driver
 from .functions import function_rules
+from .module_state import changed_note, kept
 from .precision import forward_context, step_context, wrap_optimizer
 from .previous import mark_held, storage_ids
 from .records import Category, LeafRecord, OpRecord, Phase, RunRecord
@@ -121,10 +122,25 @@ def optimizer_defaults_for(device: str):
 @contextlib.contextmanager
 def module_tracking(model: torch.nn.Module, recorder: Recorder):
     """Keep ``recorder.module_stack`` as the dotted paths of the modules whose forward is open."""
-    names = {}
+    names, mods = {}, {}
     for name, mod in model.named_modules(remove_duplicate=False):
         names.setdefault(id(mod), name)
+        mods.setdefault(name, mod)
     stacked = progress.blocks(model)
+
+    def adopted(mod) -> str | None:
+        """The path of ``mod`` where the step set it on the open module (BigBird replaces its
+        attention modules in its forward), its submodules named with it; None elsewhere."""
+        owner = mods.get(recorder.module_stack[-1]) if recorder.module_stack else None
+        if owner is None:
+            return None
+        for path, sub in owner.named_modules(prefix=recorder.module_stack[-1]):
+            if sub is mod:
+                for p, s in mod.named_modules(prefix=path):
+                    names.setdefault(id(s), p)
+                    mods.setdefault(p, s)
+                return path
+        return None
 
     def pre(mod, args):
         got = stacked.get(id(mod))
@@ -133,6 +149,8 @@ def module_tracking(model: torch.nn.Module, recorder: Recorder):
         # a module outside the model (a wrapper built inside forward, such as transformers'
         # hub-kernel ``Func``) is charged to the model's module that called it
         name = names.get(id(mod))
+        if name is None:
+            name = adopted(mod)
         if name is None:
             name = recorder.module_stack[-1] if recorder.module_stack else type(mod).__name__
         recorder.module_stack.append(name)
@@ -323,7 +341,8 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
                          hint="the engine owns the training loop and its precision")
     _room_for_deep_graphs()
     swallowed = check_inputs(model, [s.name for s in specs] + list(constants))
-    if transform is not None or driver is not None:
+    copied = transform is not None or driver is not None
+    if copied:  # a strategy changes the model (or the engine wraps it): a copy for this run
         import copy
         model = copy.deepcopy(model)
     shape_env = ShapeEnv()
@@ -333,6 +352,9 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     was_training = model.training
     try:
         with contextlib.ExitStack() as stack:
+            # the model as given for every trace: what this run changes is undone after it
+            # (a copy is thrown away after its run)
+            changed = [] if copied else stack.enter_context(kept(model))
             stack.enter_context(remembered())
             tracker = stack.enter_context(known.tracking())
             inputs, symbols = _enter_run(stack, recorder, model, specs, config, hints, train,
@@ -357,6 +379,8 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
             record.specialized = list(recorder.specialized)
             record.assumed = list(tracker.assumed)
             del held
+        if changed:
+            record.assumed.append(changed_note(changed))
         check_read(model, record, swallowed)
     except BaseException as e:  # noqa: BLE001 - re-raised as a typed error
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
