@@ -286,13 +286,34 @@ for _op in (aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default
                              "the fake kernel keeps the input's strides")(_contiguous_first)
 
 
+@rule(Kind.ATEN, aten.native_group_norm.default, device="cpu",
+      doc="bf16/fp16 input with an fp32 weight or bias (autocast keeps GroupNorm's "
+          "parameters fp32): mean and rstd are fp32 (the kernel keeps them in the "
+          "parameters' type); the fake kernel makes them the input dtype")
+def _group_norm(recorder, func, args, kwargs):
+    """``native_group_norm(x, w, b, N, C, HxW, group, eps)`` on the CPU: its statistics in
+    ``param_scalar_type(X, is_mixed_type(X, w, b))``."""
+    out, mean, rstd = func(*args, **kwargs)
+    a = dict(zip(("input", "weight", "bias"), args), **kwargs)
+    if a["input"].dtype in (torch.bfloat16, torch.float16) and any(
+            p is not None and p.dtype == torch.float32 for p in (a.get("weight"), a.get("bias"))):
+        mean = torch.empty(mean.shape, dtype=torch.float32, device=mean.device)
+        rstd = torch.empty(rstd.shape, dtype=torch.float32, device=rstd.device)
+    return out, mean, rstd
+
+
 @rule(Kind.ATEN, aten.native_group_norm_backward.default, device="cpu",
-      doc="the input's gradient is allocated in the input's suggested memory format; the "
-          "fake kernel follows the incoming gradient's layout")
+      doc="the input's gradient is allocated in the input's dtype and suggested memory "
+          "format; the fake kernel (a decomposition computing in fp32) makes it the dtype "
+          "that input, statistics and fp32 weight promote to (fp32 under autocast, which "
+          "autograd then copies to bf16) and follows the incoming gradient's layout")
 def _group_norm_backward(recorder, func, args, kwargs):
-    """``native_group_norm_backward(grad_out, x, ...)`` on the CPU."""
+    """``native_group_norm_backward(grad_out, x, ...)`` on the CPU: ``empty_like(X,
+    X.suggest_memory_format())``."""
     grad_in, *rest = func(*args, **kwargs)
     x = args[1] if len(args) > 1 else kwargs["input"]
+    if grad_in is not None and grad_in.dtype != x.dtype:
+        grad_in = torch.empty(grad_in.shape, dtype=x.dtype, device=grad_in.device)
     return (_cpu_layout(recorder, grad_in, x), *rest)
 
 
