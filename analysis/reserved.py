@@ -167,20 +167,28 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
     def figures() -> tuple:
         return state["peak"], state["at_peak"], alloc.peak_reserved, alloc.reserved
 
+    def layout() -> tuple:
+        """Where every held storage is and which blocks are free: a walk that leaves the same
+        layout walks the same way next time."""
+        return (tuple(sorted((k, b.addr, b.size) for k, b in held.items())),
+                *(tuple(p.keys) + tuple(p.unmapped) for p in alloc.pools.values()))
+
     def settle() -> None:
         """Walk the steady step again until a walk changes none of the figures, as a long run's
         counters see them (the most allocated over the steps, the reserved bytes and largest
-        free block when it was first reached, the most reserved), at most
-        :data:`STEADY_WALKS` steady walks in all. The previous step's output, alive into the
-        next forward, moves blocks for a few steps (``python benchmarks/replay_walks.py``)."""
-        last = figures()
+        free block when it was first reached, the most reserved), and leaves the allocator's
+        blocks as the walk before it did, at most :data:`STEADY_WALKS` steady walks in all
+        (equal figures with blocks still moving can grow at a later walk). The previous
+        step's output, alive into the next forward, moves blocks for a few steps
+        (``python benchmarks/replay_walks.py``)."""
+        last = figures(), layout()
         for _ in range(STEADY_WALKS - 1):
             if record is not None:
                 record.clear()
             again(measure=True)
-            if figures() == last:
+            if (figures(), layout()) == last:
                 return
-            last = figures()
+            last = figures(), layout()
 
     live0 = _live_at(run, run.start)
     try:
