@@ -123,6 +123,13 @@ class ZeRO(Strategy):
             if self.offloaded:
                 raise StrategyError("ZeRO-Offload with tensor parallelism is not modelled",
                                     hint="drop offload, or use FSDP (fsdp=FSDP(dp)) with tp")
+            if given.get("lora") is not None:
+                raise StrategyError(
+                    "ZeRO with tp and LoRA: DeepSpeed's AutoTP replaces every module with a 2-D "
+                    "weight whole, so a LoRA-wrapped layer (peft's lora.Linear shows its base "
+                    "weight) loses its adapters and deepspeed.initialize fails (DeepSpeed "
+                    "0.19.8: KeyError in _create_param_mapping)",
+                    hint="drop tp (ZeRO with LoRA), or drop zero (tp with LoRA)")
             if tp.plan != "auto" or tp.sequence_parallel:
                 raise StrategyError(
                     "ZeRO with tp: DeepSpeed shards the model with its own AutoTP "

@@ -464,6 +464,9 @@ def test_contradictions_name_the_setting():
         ZeRO(stage=2, dp=2, offload_param="cpu")
     with pytest.raises(StrategyError, match="stage"):
         ZeRO(stage=4, dp=2)
+    # real DeepSpeed (0.19.8) fails in deepspeed.initialize on AutoTP over peft's LoRA layers
+    with pytest.raises(StrategyError, match=r"(?s)tp and LoRA.*loses its adapters.*drop tp"):
+        strategy_analyze(m, X, zero=ZeRO(stage=1, dp=2), tp=TensorParallel(2), lora=LoRA(r=4))
 
 
 def test_cli_deepspeed_config_traces_the_engine(tmp_path, capsys):
