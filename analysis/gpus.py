@@ -3,7 +3,8 @@
 Capacities are ``memory.total`` as ``nvidia-smi`` prints it (MiB) with current drivers (older
 drivers showed about 1.5% less: T4 15,109, A100-40GB 40,536 MiB), or ``rocm-smi``'s VRAM total
 for AMD devices (one GCD of an MI250X is one PyTorch device). Each entry names its source; the
-values were collected from device outputs pasted in public issues (README, "GPU catalog").
+values were collected from device outputs pasted in public issues (docs/budget.md, "Which GPUs
+are known?").
 PyTorch itself sees a little less (``torch.cuda.get_device_properties().total_memory``: H100
 about 81,082 MiB of 81,559): the CUDA context term of the budget stands for that and more. The catalog is user-extensible with one call (:func:`register_gpu`) or a JSON/TOML file
 (:func:`load_catalog`, e.g. ``memsim analyze ... --gpu-file my_gpus.toml``)::

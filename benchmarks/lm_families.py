@@ -11,7 +11,7 @@ for real (``tests/oracles/measure.py``: live tensor storages) at B=2, S=9 and B=
 that were not traced; every figure the oracle has must be equal (``tests/oracle.py::check``).
 Mamba-2 layers scan in chunks of 16 here (Zamba2's of 256): S=9 is one chunk, S=20 two. A
 line per family: ``exact``, ``DIFFER`` (the first figure that differs) or ``ERROR`` (what
-failed), with the analysis time. ``benchmarks/models.py`` is the README's table of families
+failed), with the analysis time. ``benchmarks/models.py`` is the table of families (docs/accuracy.md)
 against real runs at other points, inference included; this one is wider and train only.
 """
 

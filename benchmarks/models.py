@@ -11,7 +11,7 @@ live tensor storages, one warm-up step). Per model it prints how the formulas we
 (``traced``: symbolic in every symbol; ``fitted in S``: a symbol the model's code pins, fitted
 from traces with it fixed, see ``analysis/fit.py``), the analysis time, and the training and
 inference peaks predicted and measured at two points of sizes that were not traced. The
-README's table ("Model families") is this script's output.
+table in docs/accuracy.md ("Model families") is this script's output.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ gradients and optimizer states sharded over the 8 ranks, each layer's parameters
 for its forward and again for its backward): about 10 s on 2 cores. Tracing DeepSpeed's own
 engine (``--deepspeed``) takes about 45 s on 2 cores (one rank traced, with one warm-up step,
 the caching allocator's replay walking the step once more for the second: every rank's
-partitions hold the same data); both are shown in the README ("Examples").
+partitions hold the same data); both are shown in docs/examples.md.
 
 Modelled (traced), both forms: the layout of examples/llama13b.py (Llama-2-13B: 40 layers,
 hidden 5120, 40 heads, MLP 13824, vocab 32000; Hugging Face's own non-reentrant checkpointing of

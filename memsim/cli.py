@@ -107,10 +107,11 @@ def _add_common(a: argparse.ArgumentParser) -> None:
                    help="no progress on stderr (shown for traces over 2 s, never with --json)")
     a.add_argument("--compiled", action="store_true",
                    help="the step under torch.compile(model, fullgraph=True): what Inductor's "
-                        "partitioner saves for backward, and its fusion (see README)")
+                        "partitioner saves for backward, and its fusion (see docs/compiled.md)")
     a.add_argument("--no-fold", action="store_true",
                    help="trace every block of a repeated stack (by default a few are traced "
-                        "and the rest derived, proven on the model itself; see README)")
+                        "and the rest derived, proven on the model itself; see "
+                        "docs/performance.md)")
     a.add_argument("--no-cache", action="store_true",
                    help="trace again instead of answering from the on-disk cache")
     b = a.add_argument_group("budget (against a GPU)")
@@ -126,7 +127,7 @@ def _add_common(a: argparse.ArgumentParser) -> None:
                    help="the CUDA caching allocator's settings, PYTORCH_CUDA_ALLOC_CONF's "
                         "syntax, e.g. expandable_segments:True,max_split_size_mb:128")
     b.add_argument("--cuda-context", metavar="SIZE",
-                   help="CUDA context size (default: per GPU family, see README)")
+                   help="CUDA context size (default: per GPU family, see docs/budget.md)")
     p = a.add_argument_group("strategies (per rank)")
     p.add_argument("--dp", type=int, metavar="N", help="data-parallel ranks (with --fsdp, "
                    "--zero or --ddp)")

@@ -156,7 +156,7 @@ def _e(step, expr, point) -> dict:
 
 
 def budget_json(b) -> dict:
-    """The ``"budget"`` section (README, "JSON output")."""
+    """The ``"budget"`` section (docs/json.md)."""
     return {"gpu": b.gpu.key if b.gpu else None, "capacity": b.capacity, "step": b.step,
             "allocated": b.allocated, "overhead": dict(b.overhead), "total": b.total,
             "margin": b.margin, "fits": b.fits, "headroom": round(b.headroom, 6),
@@ -170,7 +170,7 @@ def budget_json(b) -> dict:
 
 def to_json(report: Report, point: dict[str, int] | None = None, budget=None,
             full: Report | None = None) -> dict:
-    """The stable JSON document (see README, "JSON output"). ``report`` covers ``point``
+    """The stable JSON document (docs/json.md). ``report`` covers ``point``
     (:meth:`Report.for_point`); ``full`` is the report asked for, whose code paths are listed."""
     at = {**report.fixed, **(point or {})}
     doc: dict = {"memsim": VERSION, "device": report.device,
@@ -536,7 +536,7 @@ def _val(step, expr, point):
 
 
 def checkpoint_json(base: Report, result, ranking, point, budget) -> dict:
-    """``memsim checkpoint --json`` (README, "Checkpointing")."""
+    """``memsim checkpoint --json`` (docs/json.md)."""
     doc: dict = {"memsim": VERSION, "device": base.device, "precision": base.precision,
                  "symbols": list(base.symbols), "at": dict(point) if point else None,
                  "budget": budget, "fits": None, "plan": None}
@@ -655,7 +655,7 @@ def _compare_order(rows) -> list:
 
 
 def compare_json(rows, args) -> dict:
-    """``memsim compare --json`` (README, "Comparing configurations")."""
+    """``memsim compare --json`` (docs/json.md)."""
     out = []
     for r, f in _compare_order(rows):
         if f is None:

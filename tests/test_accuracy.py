@@ -313,12 +313,12 @@ class _InPlaceOnNarrow(torch.nn.Module):
                                        (_InPlaceOnNarrow, 2 * 5 * 128 * 4)],
                          ids=["alias", "narrow"])
 def test_inplace_on_a_view_then_used_is_modelled_low(model, low):
-    """A known limit (README): after an in-place op on a view, eager autograd regenerates the
+    """A known limit (docs/limitations.md): after an in-place op on a view, eager autograd regenerates the
     view's backward as as_strided, whose backward allocates a zero-filled gradient of the
     base; under fake tensors autograd replays the view ops, which allocate otherwise. At B=2,
     S=5 the real runs read 274,768 B (alias) and 58,704 B (narrow), memsim 233,808 and 53,584.
     Every other figure is equal. This asserts the gap itself, so it fails the day memsim
-    models the case: then it becomes an equality, and the README's limit goes."""
+    models the case: then it becomes an equality, and the documented limit goes."""
     from oracles.measure import example_inputs, materialize, measure_train
     x = {"x": ("float32", ["B", "S", 8])}
     pt = {"B": 2, "S": 5}

@@ -98,7 +98,7 @@ def test_modules_search_mixes_blocks_and_children_real_run():
     # 2*(4*4 heads)*40*8*40 = 409,600 each, c_proj 2*160*32*32 = 327,680, the MLP's first Linear
     # 2*160*32*128 = 1,310,720; not the MLP's last Linear, whose output nothing saves (the
     # non-reentrant checkpoint stops early): 3,440,640 per block, 1,310,720 per MLP alone
-    # (README: 6.06 vs 6.88 MFLOP). Each also from real steps: the plan's FLOPs less the plain's
+    # (docs/checkpointing.md: 6.06 vs 6.88 MFLOP). Each also from real steps: the plan's FLOPs less the plain's
     plain_flops = _real_step_flops([], tiny, **pt)
     assert t.evaluate(res.recompute_flops, pt) == 3_440_640 + 2 * 1_310_720 == \
         _real_step_flops(res.plan, tiny, **pt) - plain_flops

@@ -50,7 +50,7 @@ def test_saved_exact_and_peak_close(name):
 def test_cnn_layout_copies():
     """With convolutions Inductor (CPU) converts the batch and the weights convolutions read to
     channels-last copies, which backward keeps: saved bytes equal the real compiled run; the
-    peak is high by the measured 9-10% (README)."""
+    peak is high by the measured 9-10% (docs/compiled.md)."""
     inputs, pt = {"x": ("float32", ["B", 3, 16, 16])}, dict(B=4)
     with torch.device("meta"):
         model = zoo.CNN()

@@ -1,10 +1,10 @@
-"""The examples gallery (examples/*.py, README "Examples"): every example's small form runs and
+"""The examples gallery (examples/*.py, docs/examples.md): every example's small form runs and
 prints readable, consistent lines (a verdict on every line with a peak, sizes that parse and
 agree with the exact bytes printed beside them, a largest batch); where the small form runs on
 one CPU process, a printed peak equals a real CPU run of the same step (own_cnn, vit_resolution
 and gpt2_24gb without checkpointing), and so does every largest batch it prints (real runs at it
-and one above). The full forms are the real-size questions (minutes each); the README shows
-their outputs."""
+and one above). The full forms are the real-size questions (minutes each); docs/examples.md
+shows their outputs."""
 
 import contextlib
 import functools
