@@ -138,7 +138,9 @@ def test_input_fill_parses_and_unknown_fill_is_named():
 
 
 @pytest.mark.parametrize("at, msg", [("B=2,T=8", "names T, which no --input uses"),
-                                     ("B=0,S=8", "sizes start at 1"), ("B=2", "lacks S")])
+                                     ("B=0,S=8", "sizes start at 1"),
+                                     ("B=-1,S=8", "--at B=-1: sizes start at 1"),
+                                     ("B=2", "lacks S")])
 def test_cli_at_is_checked_against_the_inputs_before_the_trace(at, msg, capsys):
     import os
     target = os.path.join(os.path.dirname(__file__), "..", "examples", "nanogpt_block.py") + \

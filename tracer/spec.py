@@ -145,7 +145,11 @@ def parse_assignments(text: str, option: str = "--at") -> dict[str, int]:
     """Parse ``B=4,S=2048`` into ``{"B": 4, "S": 2048}``."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"([A-Za-z_]\w*)\s*=\s*(\d+)", part)
+        m = re.fullmatch(r"([A-Za-z_]\w*)\s*=\s*(-?\d+)", part)
+        if m and int(m.group(2)) < 1:
+            raise UsageError(f"{option} {part}: sizes start at 1",
+                             hint=f"give {m.group(1)} a size of 1 or more, e.g. {option} "
+                                  f"{m.group(1)}=4")
         if not m:
             raise UsageError(f"malformed {option} item {part!r}",
                              hint=f"write {option} NAME=INT[,NAME=INT...], e.g. {option} B=4,S=2048")
