@@ -8,9 +8,8 @@ peak is reached, the largest free block then). The step's bytes do not depend on
 (stage 3's coordinator completes its trace at the start of the second step); the replay starts
 from the traced history, so its figures can. ``N+R``: N warm-up steps traced, and the replay
 walks the measured step R more times before the one it measures (``RunRecord.replays``; stage
-3 on CUDA runs 1+1), then walks it again until a walk changes no figure (``STEADY_WALKS``;
-the figures are the most over the walks, so a row that starts measuring at a later step, as
-3+0 does, can read less). Run on demand (needs ``pip install deepspeed``;
+3 on CUDA runs 1+1), then walks it again until a walk changes neither a figure nor the cache's blocks (at most
+``STEADY_WALKS``; the figures are the most over the walks). Run on demand (needs ``pip install deepspeed``;
 about a minute)::
 
     python benchmarks/ds_warmups.py [--stage 3] [--layers 2] [--precision bf16-master]

@@ -182,10 +182,10 @@ class DeepSpeedDriver(Driver):
     # fails 11 of its 19 tests). One warm-up step is traced, its output and loss held into the
     # measured step until the loop rebinds them. Modelling CUDA, the caching allocator replay
     # (analysis/reserved.py) starts from the traced history, walks the measured step once more
-    # (``replays``), then again until a walk changes no figure; every figure then equals that
-    # of two traced warm-ups (benchmarks/ds_warmups.py: 2 of Llama-2-7B's layers, bf16, 8
-    # ranks; at B = 2, S = 512 reserved 6,985,613,312 B and 6,012,534,784 at the peak after
-    # one, after one with the replay, and after two; at B = 4, S = 2048 every count agrees).
+    # (``replays``), then again until a walk changes neither a figure nor the cache's blocks;
+    # every figure then equals that of two traced warm-ups or more (benchmarks/ds_warmups.py:
+    # 2 of Llama-2-7B's layers, bf16, 8 ranks, 1 to 4 warm-ups, traced or replayed, at
+    # B = 2, S = 512 and B = 4, S = 2048).
     warmup = 1
     replays = 0
     host_device = torch.device("cpu")
