@@ -68,7 +68,7 @@ MUTATIONS: list[Mutation] = [
              "it live"),
     # the modelled CPU decides, not the host's
     Mutation("lstm-bf16-asks-the-host", "tracer/functions.py",
-             "if _CPU_ISA.get() is CpuIsa.AVX512 else set())",
+             "if isa is CpuIsa.AVX512 else set())",
              "if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set())",
              ("tests/test_host.py",),
              "oneDNN's bf16 LSTM is chosen by the host's CPU: another answer on a CPU "

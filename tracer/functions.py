@@ -201,9 +201,9 @@ def _mkldnn_lstm_used(input, hx, params) -> bool:
     CPU: oneDNN on, fp32 (or bf16 where the modelled CPU has AVX-512: ``cpu_isa``, never the
     host's) everywhere, no projection (two or four weights per layer and direction)."""
     dtypes = {input.dtype, *(h.dtype for h in hx), *(p.dtype for p in params)}
-    ok = {torch.float32} | ({torch.bfloat16} if _CPU_ISA.get() is CpuIsa.AVX512 else set())
+    isa = _CPU_ISA.get()
+    ok = {torch.float32} | ({torch.bfloat16} if isa is CpuIsa.AVX512 else set())
     if torch.bfloat16 in dtypes:
-        isa = _CPU_ISA.get()
         assume(f"modelled: a CPU {'with' if isa is CpuIsa.AVX512 else 'without'} AVX-512 "
                f"(cpu_isa={isa.value!r}): nn.LSTM in bf16 runs "
                + ("oneDNN's kernel" if isa is CpuIsa.AVX512 else "PyTorch's native kernel")
