@@ -24,6 +24,7 @@ the run did; the changes of plain values and submodules are described for the re
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -48,9 +49,19 @@ def _snapshot(model: torch.nn.Module) -> list:
 
 
 def _same(old, new) -> bool:
+    """The same value: the same object, an equal plain value, a list or tuple of the same
+    values, a weak reference to the same object (``nn.LSTM`` rebuilds its list of flat weights,
+    and of weak references to them, whenever a parameter is set, as the trace's fake
+    parameters are, and again when they are put back)."""
     if old is new:
         return True
-    if isinstance(old, _VALUES) and type(old) is type(new):
+    if type(old) is not type(new):
+        return False
+    if isinstance(old, (list, tuple)):
+        return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
+    if isinstance(old, weakref.ref):
+        return old() is new()
+    if isinstance(old, _VALUES):
         try:
             return bool(old == new)
         except Exception:  # noqa: BLE001 - a tuple holding tensors: compared by identity
@@ -58,14 +69,23 @@ def _same(old, new) -> bool:
     return False
 
 
+def _tensors(v) -> bool:
+    """Whether ``v`` is a tensor, or a list or tuple of tensors or of weak references (to
+    them): a cache of the module's tensors (``nn.LSTM``'s flat weights follow its parameters,
+    which the trace swaps for fake ones)."""
+    if isinstance(v, (list, tuple)):
+        return bool(v) and all(_tensors(x) or isinstance(x, weakref.ref) for x in v)
+    return isinstance(v, torch.Tensor)
+
+
 def _where(root: str, path: str, key: str) -> str:
     return f"{root}.{path}.{key}" if path else f"{root}.{key}"
 
 
 def _describe(root: str, path: str, key: str, old, new) -> str | None:
-    """The change of ``key`` in words, or None for a change not worth a note (a tensor cached
+    """The change of ``key`` in words, or None for a change not worth a note (tensors cached
     on the module: restored, as any change is)."""
-    if isinstance(new, torch.Tensor) or isinstance(old, torch.Tensor):
+    if _tensors(new) or _tensors(old):
         return None
     where = _where(root, path, key)
     if new is _MISSING:
