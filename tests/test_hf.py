@@ -481,10 +481,58 @@ def test_a_model_that_changes_itself_is_traced_as_given_every_time():
     """BigBird's forward replaces its attention modules with full attention the first time it
     sees a short sequence, and keeps them: memsim's first trace (S = 7) made every later trace
     full attention, and sizes past 56 were answered for the full-attention model. Each trace now
-    starts from the model as given, the change is named in the notes, and the block-sparse
-    sizes equal real runs of a fresh model, with no hint."""
+    starts from the model as given, the change is named in the notes, and a full-attention
+    size (S = 16) and a block-sparse one (S = 72) equal real runs of a fresh model, with no
+    hint."""
     report = predict(bigbird, LM, inference=False)
     changed = [n for n in report.notes if n.startswith("the model changed itself")]
     assert len(changed) == 1 and "bert.encoder.attention_type: 'original_full' (was " \
         "'block_sparse')" in changed[0], report.notes
-    check(report, bigbird, LM, [{"B": 2, "S": 16}, {"B": 2, "S": 64}, {"B": 3, "S": 96}])
+    check(report, bigbird, LM, [{"B": 2, "S": 16}, {"B": 3, "S": 72}])
+
+
+def pegasus():
+    return T.PegasusForConditionalGeneration(T.PegasusConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+        max_position_embeddings=40, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        bos_token_id=0))
+
+
+def test_decoder_positions_and_text_config_limits():
+    """Positions bound every sequence the model has them for: an encoder-decoder's decoder
+    length too (Pegasus' 40 positions serve S and T; a real run at T = 41 raises IndexError, so
+    the range ends at 40 and a point past it is refused before any trace), and a limit that
+    sits in the text config (Gemma-3's ``text_config.max_position_embeddings``)."""
+    import torch
+
+    from memsim.tracer import OutOfRangeError
+    from memsim.tracer.hf import limits
+    seq2seq = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "T"])}
+    with torch.device("meta"):
+        model = pegasus()
+        gemma3 = T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+            text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                             vocab_size=300, max_position_embeddings=96),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, image_size=28, patch_size=14),
+            mm_tokens_per_image=4))
+    assert limits(model, seq2seq) == {"S": 40, "T": 40}
+    assert limits(gemma3, LM) == {"S": 96}
+    with torch.device("meta"):   # encoder and decoder positions apart
+        led = T.LEDForConditionalGeneration(T.LEDConfig(
+            d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+            max_encoder_position_embeddings=128, max_decoder_position_embeddings=48,
+            attention_window=[8]))
+    assert limits(led, seq2seq) == {"S": 128, "T": 48}
+    with pytest.raises(IndexError):   # the real model has no 41st position
+        real = pegasus()
+        real(input_ids=torch.zeros(1, 4, dtype=torch.long),
+             labels=torch.zeros(1, 41, dtype=torch.long))
+    report = predict(pegasus, seq2seq, inference=False)
+    assert report.ranges["S"][1] == 40 and report.ranges["T"][1] == 40, report.ranges
+    with pytest.raises(OutOfRangeError, match="T=41"):
+        report.at(B=2, S=8, T=41)
+    check(report, pegasus, seq2seq, [{"B": 2, "S": 8, "T": 40}])

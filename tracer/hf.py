@@ -22,29 +22,58 @@ def is_hf(model: torch.nn.Module) -> bool:
                for m in model.modules() for c in type(m).__mro__)
 
 
-def limits(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
-    """``{symbol: max}`` for the sequence dimension of ``input_ids`` (positions the model has)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return {}
-    top = None
-    for attr in ("n_positions", "max_position_embeddings"):
-        v = getattr(cfg, attr, None)
-        if isinstance(v, int) and v > 0:
-            top = v
-            break
-    if top is None:
-        return {}
-    out: dict[str, int] = {}
-    for name in ("input_ids", "inputs_embeds", "labels", "attention_mask"):
+# the inputs whose second dimension is the encoder's (or a decoder-only model's) positions, and
+# those whose second dimension is an encoder-decoder's decoder positions
+_SOURCE = ("input_ids", "inputs_embeds", "attention_mask")
+_TARGET = ("decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "labels")
+
+
+def _positions(cfg, attrs: tuple[str, ...]) -> int | None:
+    """The first of ``attrs`` the config (or its text config: Gemma-3, LLaVA...) sets."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
+    for c in (cfg, text):
+        for attr in attrs:
+            v = getattr(c, attr, None) if c is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def _sequence_symbol(inputs: dict, names: tuple[str, ...]) -> str | None:
+    for name in names:
         if name in inputs:
             try:
                 spec = make_spec(name, inputs[name])
             except Exception:  # noqa: BLE001 - the tracer reports malformed inputs itself
                 continue
-            if isinstance(spec, TensorSpec) and len(spec.shape) >= 2 and isinstance(spec.shape[1], str):
-                out[spec.shape[1]] = top
-                break
+            if isinstance(spec, TensorSpec) and len(spec.shape) >= 2 \
+                    and isinstance(spec.shape[1], str):
+                return spec.shape[1]
+    return None
+
+
+def limits(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
+    """``{symbol: max}`` for the sequence dimensions the model has positions for: the sequence
+    of ``input_ids`` (or ``inputs_embeds``, ``attention_mask``), and an encoder-decoder's
+    decoder sequence (``decoder_input_ids``, ``labels``...), from the config or its text
+    config (``max_position_embeddings``, ``n_positions``; ``max_source_positions`` and
+    ``max_target_positions`` where the two differ, as in Whisper, or LED's
+    ``max_encoder_position_embeddings`` and ``max_decoder_position_embeddings``)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return {}
+    both = ("n_positions", "max_position_embeddings")
+    source = _positions(cfg, ("max_source_positions", "max_encoder_position_embeddings") + both)
+    out: dict[str, int] = {}
+    sym = _sequence_symbol(inputs, _SOURCE)
+    if sym is not None and source is not None:
+        out[sym] = source
+    decoder = getattr(cfg, "is_encoder_decoder", False)
+    target = _positions(cfg, ("max_target_positions", "max_decoder_position_embeddings") + both
+                        if decoder else both)
+    sym = _sequence_symbol(inputs, _TARGET if decoder else ("labels",))
+    if sym is not None and target is not None:
+        out[sym] = min(out.get(sym, target), target)
     return out
 
 
