@@ -177,18 +177,21 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
         """Walk the steady step again until a walk changes none of the figures, as a long run's
         counters see them (the most allocated over the steps, the reserved bytes and largest
         free block when it was first reached, the most reserved), and leaves the allocator's
-        blocks as the walk before it did, at most :data:`STEADY_WALKS` steady walks in all
-        (equal figures with blocks still moving can grow at a later walk). The previous
+        blocks as an earlier walk left them (the walks after it repeat walks already made:
+        the previous output takes two blocks in turn), at most :data:`STEADY_WALKS` steady
+        walks in all (equal figures with blocks still moving can grow at a later walk). The previous
         step's output, alive into the next forward, moves blocks for a few steps
         (``python benchmarks/replay_walks.py``)."""
-        last = figures(), layout()
+        last, seen = figures(), {layout()}
         for _ in range(STEADY_WALKS - 1):
             if record is not None:
                 record.clear()
             again(measure=True)
-            if (figures(), layout()) == last:
+            now = layout()
+            if figures() == last and now in seen:
                 return
-            last = figures(), layout()
+            last = figures()
+            seen.add(now)
 
     live0 = _live_at(run, run.start)
     try:

@@ -104,7 +104,7 @@ def _figures(r) -> tuple:
 
 
 # the replay walks the steady step again until a walk changes none of its figures and leaves
-# the blocks where the walk before left them, at most 6 walks (reserved.py's STEADY_WALKS:
+# the blocks as an earlier steady walk left them, at most 6 walks (reserved.py's STEADY_WALKS:
 # pinned here, not read from there, so that changing it is seen)
 WALKS = 6
 
@@ -112,11 +112,12 @@ WALKS = 6
 def walked(walks: list[tuple], figs: list) -> int | None:
     """How many steady walks the replay makes, by its rule, given the simulation's figures
     after each simulated steady step (``walks``, from :func:`steady`) and its steps
-    (``figs``: steady walk ``w`` is step ``w``): the first walk whose figures and layout are
-    the walk before's (None: none of the first :data:`WALKS`, or of those given)."""
+    (``figs``: steady walk ``w`` is step ``w``): the first walk whose figures are the walk
+    before's and whose layout an earlier steady walk left (None: none of the first
+    :data:`WALKS`, or of those given)."""
     return next((w for w in range(2, min(WALKS, len(walks)) + 1)
-                 if walks[w - 1] == walks[w - 2] and figs[w].layout == figs[w - 1].layout),
-                None)
+                 if walks[w - 1] == walks[w - 2]
+                 and figs[w].layout in {figs[k].layout for k in range(1, w)}), None)
 
 
 def _check_replay(step, point, nbytes, *, workspace=0, limit=None, expandable=False):
