@@ -299,8 +299,15 @@ def run_tests(staging: str, tests: tuple[str, ...], extra: list[str]) -> tuple[i
     return proc.returncode, time.monotonic() - start, (out[-1] if out else "")
 
 
+_CHECKED: list[str] = []
+
+
 def check_staging(staging: str) -> None:
-    """The staged copy, not the editable install, is what the tests import."""
+    """The staged copy, not the editable install, is what the tests import (checked for the
+    first copy: every copy is staged the same way)."""
+    if _CHECKED:
+        return
+    _CHECKED.append(staging)
     env = staged_env(staging)
     where = subprocess.run([sys.executable, "-c", "import memsim.analysis as a; print(a.__file__)"],
                            cwd=ROOT, env=env, capture_output=True, text=True).stdout.strip()

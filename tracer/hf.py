@@ -28,12 +28,11 @@ _SOURCE = ("input_ids", "inputs_embeds", "attention_mask")
 _TARGET = ("decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "labels")
 
 
-def _positions(cfg, attrs: tuple[str, ...]) -> int | None:
-    """The first of ``attrs`` the config (or its text config: Gemma-3, LLaVA...) sets."""
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
-    for c in (cfg, text):
+def _positions(configs: tuple, attrs: tuple[str, ...]) -> int | None:
+    """The first of ``attrs`` the configs (the model's, then its text config) set."""
+    for c in configs:
         for attr in attrs:
-            v = getattr(c, attr, None) if c is not None else None
+            v = getattr(c, attr, None)
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 return v
     return None
@@ -62,15 +61,18 @@ def limits(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
     cfg = getattr(model, "config", None)
     if cfg is None:
         return {}
+    # the text config holds the limits of a multimodal model (Gemma-3, LLaVA...)
+    configs = (cfg, cfg.get_text_config()) if hasattr(cfg, "get_text_config") else (cfg,)
     both = ("n_positions", "max_position_embeddings")
-    source = _positions(cfg, ("max_source_positions", "max_encoder_position_embeddings") + both)
+    source = _positions(configs, ("max_source_positions", "max_encoder_position_embeddings")
+                        + both)
     out: dict[str, int] = {}
     sym = _sequence_symbol(inputs, _SOURCE)
     if sym is not None and source is not None:
         out[sym] = source
     decoder = getattr(cfg, "is_encoder_decoder", False)
-    target = _positions(cfg, ("max_target_positions", "max_decoder_position_embeddings") + both
-                        if decoder else both)
+    target = _positions(configs, ("max_target_positions", "max_decoder_position_embeddings")
+                        + both if decoder else both)
     sym = _sequence_symbol(inputs, _TARGET if decoder else ("labels",))
     if sym is not None and target is not None:
         out[sym] = min(out.get(sym, target), target)
