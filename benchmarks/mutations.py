@@ -51,6 +51,7 @@ ACC = "tests/test_accuracy.py"
 PEAK = "tests/test_peak.py::test_prune_keeps_the_max_at_every_point"
 REQ = "tests/test_replay_oracle.py::test_requests_match_the_simulation"
 STEADY = "tests/test_replay_oracle.py::test_traced_step_reaches_the_simulated_steady_state"
+REG = "tests/test_strategy_registry.py"
 MUTATIONS: list[Mutation] = [
     # the recorder: what is an allocation, when it is released
     Mutation("view-counted-as-allocation", "tracer/recorder.py",
@@ -239,11 +240,29 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_zero.py::test_zero_offload_splits_device_and_host_on_gpu",),
              "the fp32 master partition's own .grad counted as optimizer state"),
     # the command line
-    Mutation("cli-ignores-drop-outputs", "memsim/cli.py",
-             "loop=Loop.DROP if args.drop_outputs else Loop.KEEP",
-             "loop=Loop.KEEP",
+    Mutation("cli-ignores-drop-outputs", "tracer/config.py",
+             "value=lambda drop: Loop.DROP if drop else Loop.KEEP",
+             "value=lambda drop: Loop.KEEP",
              ("tests/test_hf.py::test_cli_drop_outputs_and_a_misspelled_input",),
              "--drop-outputs is parsed and ignored"),
+    # a strategy is one file; a step option one field
+    Mutation("strategies-in-registration-order", "strategies/base.py",
+             "key=lambda e: (e[1][1].order, e[0])", "key=lambda e: e[0]",
+             (f"{REG}::test_registered_order_and_the_front_door_export",),
+             "strategies apply in the order their files were imported, not their declared order"),
+    Mutation("cli-builds-only-builtin-strategies", "strategies/api.py",
+             "got = cls.from_options(opts, step)",
+             "got = cls.from_options(opts, step) if cls.__module__.startswith('memsim') else None",
+             (f"{REG}::test_a_strategy_from_its_own_file_reaches_every_front",),
+             "the command line reads the options of memsim's own strategies only"),
+    Mutation("world-size-adds-dimensions", "strategies/api.py", "out *= d", "out += d",
+             (f"{REG}::test_world_size_is_the_product_over_mesh_dimensions",),
+             "the world size adds the mesh dimensions instead of multiplying them"),
+    Mutation("step-hash-misses-a-field", "tracer/config.py",
+             "for f in dataclasses.fields(self)))",
+             "for f in dataclasses.fields(self) if f.name != 'fold'))",
+             (f"{REG}::test_step_options_come_from_the_fields",),
+             "a StepConfig field left out of its hash (configs that differ in it collide)"),
 ]
 
 # mutations no test can kill, with the reason (name -> why)

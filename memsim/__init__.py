@@ -40,6 +40,12 @@ _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 
 def __getattr__(name):
     mod = _WHERE.get(name)
+    if mod is None and name[:1].isupper():   # a strategy registered in a file of its own
+        import importlib
+        strategies = importlib.import_module("memsim.strategies")
+        for cls in strategies.registered_strategies().values():
+            if cls.__name__ == name:
+                return cls
     if mod is None:
         raise AttributeError(f"module 'memsim' has no attribute {name!r}")
     import importlib

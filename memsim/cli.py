@@ -19,10 +19,9 @@ import sys
 import torch
 
 from memsim.analysis import analyze
-from memsim.tracer import (InputError, Loop, MemsimError, StepConfig, UsageError,
+from memsim.tracer import (InputError, MemsimError, StepConfig, UsageError,
                            parse_assignments, parse_input)
 from memsim.tracer.errors import did_you_mean
-from memsim.tracer.precision import Precision
 
 from .render import budget_text, to_json, to_text
 
@@ -81,37 +80,13 @@ def _add_common(a: argparse.ArgumentParser) -> None:
     a.add_argument("--input", action="append", default=[], metavar="NAME=DTYPE[DIMS]",
                    help="a tensor input, e.g. input_ids=int64[B,S] (repeat per input)")
     a.add_argument("--at", metavar="B=4,S=2048", help="evaluate every formula at this point")
-    a.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="whose kernels to model (default cuda)")
-    a.add_argument("--cpu-isa", choices=("avx512", "avx2"), default="avx512",
-                   help="with --device cpu, the modelled CPU's instruction set where kernels "
-                        "differ by it (bf16 nn.LSTM: oneDNN with AVX-512, PyTorch's native "
-                        "kernel without); default avx512, whatever the machine memsim runs on")
-    a.add_argument("--hint", metavar="S=64", help="example sizes for the symbolic run")
-    a.add_argument("--optimizer", default=None,
-                   help="a torch.optim class, with its options as Python writes them "
-                        "('AdamW(foreach=False)', 'Adam(amsgrad=True)'), or lion, adamw8bit, "
-                        "paged_adamw8bit, lion8bit, sgd-momentum... (default AdamW; under "
-                        "--zero on --device cuda, DeepSpeed's FusedAdam)")
-    a.add_argument("--precision", default="32-true",
-                   help="32-true, bf16-mixed, 16-mixed, bf16-true, 16-true or bf16-master "
-                        "(default 32-true)")
-    a.add_argument("--drop-outputs", action="store_true",
-                   help="the loop releases the forward output once the loss exists (Hugging "
-                        "Face's Trainer, Lightning, TRL, torchtune, torchtitan); default: kept "
-                        "through backward and the optimizer step, as a plain loop keeps it")
-    a.add_argument("--accumulate", type=int, default=1, metavar="K",
-                   help="micro-batches per optimizer step (gradient accumulation, default 1)")
+    s = a.add_argument_group("the step (memsim.StepConfig)")
+    for _, opt, default in StepConfig.cli_options():
+        s.add_argument(opt.flag, help=opt.help, **({} if opt.argparse.get("action") else
+                                                  {"default": default}), **opt.argparse)
     a.add_argument("--json", action="store_true", help="print the JSON document")
     a.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (shown for traces over 2 s, never with --json)")
-    a.add_argument("--compiled", action="store_true",
-                   help="the step under torch.compile(model, fullgraph=True): what Inductor's "
-                        "partitioner saves for backward, and its fusion (see docs/compiled.md)")
-    a.add_argument("--no-fold", action="store_true",
-                   help="trace every block of a repeated stack (by default a few are traced "
-                        "and the rest derived, proven on the model itself; see "
-                        "docs/performance.md)")
     a.add_argument("--no-cache", action="store_true",
                    help="trace again instead of answering from the on-disk cache")
     b = a.add_argument_group("budget (against a GPU)")
@@ -128,46 +103,8 @@ def _add_common(a: argparse.ArgumentParser) -> None:
                         "syntax, e.g. expandable_segments:True,max_split_size_mb:128")
     b.add_argument("--cuda-context", metavar="SIZE",
                    help="CUDA context size (default: per GPU family, see docs/budget.md)")
-    p = a.add_argument_group("strategies (per rank)")
-    p.add_argument("--dp", type=int, metavar="N", help="data-parallel ranks (with --fsdp, "
-                   "--zero or --ddp)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard over --dp ranks")
-    p.add_argument("--no-reshard", action="store_true",
-                   help="FSDP2 reshard_after_forward=False (ZeRO-2-like)")
-    p.add_argument("--reshard-not-last", action="store_true",
-                   help="FSDP2 reshard_after_forward for every unit but the last, whose "
-                        "backward comes first (torchtitan's default policy)")
-    p.add_argument("--param-dtype", metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy "
-                   "param_dtype: the dtype parameters are all-gathered and computed in (bf16, "
-                   "fp16, fp32)")
-    p.add_argument("--reduce-dtype", metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy "
-                   "reduce_dtype: the dtype gradients are reduce-scattered in (default: "
-                   "--param-dtype)")
-    p.add_argument("--fsdp-shard-dim", action="append", metavar="PATTERN=DIM",
-                   help="FSDP2 shard_placement_fn: shard the parameters whose names match "
-                        "PATTERN (fnmatch) on dimension DIM instead of 0, e.g. "
-                        "'*.experts.*=1' for stacked MoE experts over more ranks than experts "
-                        "(torchtitan's choice); repeatable, the first match wins")
-    p.add_argument("--zero", type=int, choices=(1, 2, 3), help="DeepSpeed ZeRO stage (DeepSpeed's engine traced; "
-                   "needs the deepspeed package)")
-    p.add_argument("--deepspeed", metavar="FILE", help="a DeepSpeed ds_config.json (stage, "
-                   "buckets, precision, offload)")
-    p.add_argument("--offload", choices=("optimizer", "optimizer+params"),
-                   help="ZeRO-Offload to CPU memory")
-    p.add_argument("--ddp", action="store_true", help="DDP buckets over --dp ranks")
-    p.add_argument("--bucket-view", action="store_true",
-                   help="DDP gradient_as_bucket_view=True (gradients are views into the buckets)")
-    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel ranks")
-    p.add_argument("--tp-plan", metavar="PAT=STYLE,...",
-                   help="tensor-parallel plan (default: the model's Hugging Face plan); "
-                        "styles colwise, rowwise, sequence, colwise_rep, rowwise_rep, replicate")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (Megatron's: "
-                   "norms and the residual stream split along the sequence)")
-    p.add_argument("--lora", metavar="r=16,...", help="LoRA: r, alpha, dropout, targets")
-    p.add_argument("--qlora", metavar="r=16,...", help="QLoRA (NF4 base, bitsandbytes): r, "
-                   "alpha, dropout, targets, compute (default bfloat16)")
-    p.add_argument("--checkpoint", metavar="PLAN", dest="ckpt",
-                   help="activation checkpointing: blocks, selective, every:K")
+    from memsim.strategies import add_strategy_options
+    add_strategy_options(a.add_argument_group("strategies (per rank)"))
     b.add_argument("--batch-symbol", default="B", help="the batch-size symbol (default B)")
     b.add_argument("--seq-symbol", default="S", help="the sequence-length symbol (default S)")
 
@@ -230,13 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args, hints=None) -> StepConfig:
-    """The step the options describe, validated once, before any trace."""
-    return StepConfig(device=args.device, cpu_isa=args.cpu_isa, precision=args.precision,
-                      optimizer=args.optimizer,
-                      accumulate=args.accumulate, compiled=args.compiled, hints=hints or {},
-                      loop=Loop.DROP if args.drop_outputs else Loop.KEEP,
-                      fold=not args.no_fold)
+def _step_options(args) -> dict:
+    """The step options (:class:`StepConfig` fields by name) the command line gives."""
+    return StepConfig.from_options(args)
 
 
 def _check_point(point: dict[str, int] | None, specs, option: str = "--at") -> None:
@@ -257,88 +190,12 @@ def _check_point(point: dict[str, int] | None, specs, option: str = "--at") -> N
                          hint=f"give every symbol the inputs use: {', '.join(names)}")
 
 
-def _strategy(args) -> dict:
+def _strategy(args, step: dict) -> dict:
     """The strategy options as keyword arguments of :func:`memsim.strategies.analyze` (checked
-    before the trace). A DeepSpeed config's precision is set on ``args.precision``."""
-    from dataclasses import replace
-
-    from memsim.strategies import DDP, FSDP, QLoRA, TensorParallel, ZeRO
-    from memsim.strategies.lora import parse_lora
-    from memsim.strategies.zero import load_deepspeed_config
-
-    kw: dict = {}
-    dp = args.dp
-    modes = [f for f in ("fsdp", "zero", "ddp", "deepspeed") if getattr(args, f)]
-    if dp is not None and not modes:
-        raise UsageError("--dp given without --fsdp, --zero, --deepspeed or --ddp",
-                         hint="say how the data-parallel ranks share the model")
-    if modes and dp is None:
-        raise UsageError(f"--{modes[0]} needs --dp N", hint="the number of data-parallel ranks")
-    if args.fsdp:
-        if args.no_reshard and args.reshard_not_last:
-            raise UsageError("--no-reshard and --reshard-not-last contradict each other",
-                             hint="give one of them")
-        kw["fsdp"] = FSDP(dp=dp, reshard_after_forward="not-last" if args.reshard_not_last
-                          else not args.no_reshard,
-                          param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
-                          shard_dims=_shard_dims(args.fsdp_shard_dim or ()))
-    else:
-        for flag in ("no_reshard", "reshard_not_last", "param_dtype", "reduce_dtype",
-                     "fsdp_shard_dim"):
-            if getattr(args, flag):
-                raise UsageError(f"--{flag.replace('_', '-')} is an FSDP option",
-                                 hint="add --fsdp --dp N")
-    if args.deepspeed:
-        z, prec = load_deepspeed_config(args.deepspeed, dp)
-        if z is not None:
-            kw["zero"] = z
-        if prec is not None:
-            given = Precision.parse(args.precision)
-            if given is not Precision.TRUE32 and given is not prec:
-                raise UsageError(f"--precision {args.precision} contradicts {args.deepspeed} "
-                                 f"({prec})")
-            args.precision = prec
-    if args.zero:
-        kw["zero"] = replace(kw["zero"], stage=args.zero) if "zero" in kw else ZeRO(args.zero, dp)
-    if "zero" in kw and os.environ.get("MEMSIM_ZERO_RANKS"):
-        # ranks traced per ZeRO analysis (beyond it: 0, 1, N-2, N-1)
-        try:
-            n = int(os.environ["MEMSIM_ZERO_RANKS"])
-        except ValueError:
-            raise UsageError(f"MEMSIM_ZERO_RANKS={os.environ['MEMSIM_ZERO_RANKS']!r} is not an "
-                             "int", hint="the number of ranks ZeRO traces, e.g. 8") from None
-        kw["zero"] = replace(kw["zero"], traced_ranks=n)
-    if args.offload:
-        if "zero" not in kw:
-            raise UsageError("--offload is a ZeRO option", hint="add --zero 2 or --zero 3")
-        kw["zero"] = replace(kw["zero"], offload_optimizer="cpu",
-                             offload_param="cpu" if "params" in args.offload else None)
-    if args.ddp:
-        kw["ddp"] = DDP(dp=dp, gradient_as_bucket_view=args.bucket_view)
-    elif args.bucket_view:
-        raise UsageError("--bucket-view is a DDP option", hint="add --ddp --dp N")
-    if args.tp:
-        plan = "auto"
-        if args.tp_plan:
-            plan = {}
-            for part in args.tp_plan.split(","):
-                pat, eq, style = part.partition("=")
-                if not eq:
-                    raise UsageError(f"--tp-plan entry {part!r} is not PATTERN=STYLE",
-                                     hint="e.g. --tp-plan 'h.*.attn.c_attn=colwise'")
-                plan[pat.strip()] = style.strip()
-        kw["tp"] = TensorParallel(args.tp, plan, args.sp)
-    elif args.sp or args.tp_plan:
-        raise UsageError("--sp and --tp-plan need --tp N")
-    if args.lora and args.qlora:
-        raise UsageError("--lora and --qlora both given", hint="QLoRA is LoRA on a 4-bit base")
-    if args.lora:
-        kw["lora"] = parse_lora(args.lora)
-    if args.qlora:
-        kw["lora"] = parse_lora(args.qlora, QLoRA)
-    if args.ckpt:
-        kw["checkpoint"] = args.ckpt
-    return kw
+    before the trace); ``step`` as the strategies complete it (a DeepSpeed config's
+    precision)."""
+    from memsim.strategies import strategies_from_options
+    return strategies_from_options(args, step)
 
 
 def _compiled_hints(specs, point, hints):
@@ -594,21 +451,22 @@ def _prepare(args) -> dict:
     specs = [parse_input(s) for s in args.input]
     point = parse_assignments(args.at, "--at") if args.at else None
     _check_point(point, specs)
-    hints = parse_assignments(args.hint, "--hint") if args.hint else None
+    step = _step_options(args)
     setup = _budget_setup(args, point)
     drawn = [_file_option(args, "timeline", point), _file_option(args, "plot", point),
              _file_option(args, "html", point, (".html", ".htm"), "not an .html file",
                           "e.g. --html report.html")]
     if drawn[0] or drawn[2]:
         _alloc_conf(args)   # the timeline's reserved line: its settings checked now
-    strategy = _strategy(args)
+    strategy = _strategy(args, step)
+    hints = step.pop("hints", None)
     if args.compiled:
         if set(strategy) - {"checkpoint"}:
             raise UsageError("--compiled does not combine with strategy options yet (only "
                              "with --checkpoint)",
                              hint="analyse the strategy without --compiled, or --compiled alone")
         hints = _compiled_hints(specs, point, hints)
-    config = _config(args, hints)
+    config = StepConfig(**step, hints=hints or {})
     return {"specs": specs, "point": point, "setup": setup, "strategy": strategy,
             "config": config}
 
@@ -741,12 +599,12 @@ def _checkpoint(args) -> int:
                          "coarse to choose plans by",
                          hint="see one plan under torch.compile with memsim analyze TARGET ... "
                               "--compiled --checkpoint PLAN")
-    if _strategy(args):
+    step = _step_options(args)
+    if _strategy(args, step):
         raise UsageError("memsim checkpoint does not take strategy options yet",
                          hint="use memsim analyze ... --checkpoint PLAN with --fsdp/--tp/--lora")
     specs = {s.name: s for s in (parse_input(t) for t in args.input)}
     point = parse_assignments(args.at, "--at") if args.at else None
-    hints = parse_assignments(args.hint, "--hint") if args.hint else None
     setup = None if args.budget else _budget_setup(args, point)
     if args.plan == "optimal" and setup is None and not args.budget:
         raise UsageError("--plan optimal needs a budget",
@@ -757,7 +615,7 @@ def _checkpoint(args) -> int:
     _check_point(point, specs.values(), "--at" if rng is None else "--at with --range")
     if args.plan == "optimal" and point is None:
         raise UsageError("--plan optimal needs a point", hint="give --at B=...,S=...")
-    config = _config(args, hints)
+    config = StepConfig(**step)
     model = load_target(args.target)
     base = analyze(model, specs, config, inference=False)
     budget = parse_memory(args.budget) if args.budget else None

@@ -384,29 +384,10 @@ def _ranks_table(report: Report, point) -> str:
 
 
 def strategy_text(st: dict) -> str:
-    """One line: ``FSDP2 dp=8 (reshard after forward) x TP 2 x LoRA r=16; world size 16``."""
-    parts = []
-    if "fsdp" in st:
-        f = st["fsdp"]
-        raf = f["reshard_after_forward"]
-        parts.append(f"FSDP2 dp={f['dp']} (" + (
-            "reshard after forward but the last unit" if raf == "not-last"
-            else "reshard after forward" if raf else "no reshard after forward")
-            + "".join(f"; {pat} on dim {d}" for pat, d in f.get("shard_dims") or ()) + ")")
-    if "zero" in st:
-        z = st["zero"]
-        off = "cpu" in (z.get("offload_optimizer"), z.get("offload_param"))
-        parts.append(f"DeepSpeed ZeRO-{z['stage']} dp={z['dp']}"
-                     + (" + CPU offload" if off else "") + " (DeepSpeed's engine, traced)")
-    if "ddp" in st:
-        parts.append(f"DDP dp={st['ddp']['dp']}")
-    if "tp" in st:
-        parts.append(f"TP {st['tp']['tp']}" + (" + SP" if st["tp"]["sequence_parallel"] else ""))
-    if "lora" in st:
-        q = "compute_dtype" in st["lora"]
-        parts.append(("QLoRA (NF4)" if q else "LoRA") + f" r={st['lora']['r']}")
-    if "checkpoint" in st:
-        parts.append(f"checkpointing {st['checkpoint']}")
+    """One line: ``FSDP2 dp=8 (reshard after forward) x TP 2 x LoRA r=16; world size 16``
+    (each registered strategy's summary, the mesh dimensions outermost first)."""
+    from memsim.strategies import summary_order
+    parts = [cls.summary(st[cls.key]) for cls in summary_order() if cls.key in st]
     return " x ".join(parts or ["none"]) + f"; world size {st.get('world_size', 1)}"
 
 

@@ -13,15 +13,33 @@ plan), :mod:`~memsim.strategies.parallel` (tensor parallelism and FSDP2 with PyT
 True
 """
 
-# imported in the order the strategies apply (each file registers its own)
-from .base import Plan, Strategy, StrategyReport, register_strategy, registered_strategies
+# each file registers its own strategy; they apply in the order their classes declare
+from .base import (Plan, Strategy, StrategyReport, register_strategy, registered_strategies,
+                   summary_order)
 from .lora import LoRA, QLoRA, apply_lora, apply_qlora
 from .checkpoint import Checkpoint
 from .parallel import FSDP, TensorParallel
 from .zero import ZeRO
 from .ddp import DDP
-from .api import analyze, given_strategies, world_size
+from .api import (add_strategy_options, analyze, given_strategies, strategies_from_options,
+                  world_size)
 
-__all__ = ["analyze", "Strategy", "StrategyReport", "Plan", "register_strategy",
-           "registered_strategies", "given_strategies", "world_size", "LoRA", "QLoRA",
+
+
+def _register_every_file() -> None:
+    """Import every module of this package, so that a strategy in a file of its own is
+    registered (and exported below) without a line here."""
+    import importlib
+    import pkgutil
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+
+
+_register_every_file()
+_NEW = [c.__name__ for c in registered_strategies().values() if c.__name__ not in globals()]
+globals().update({c.__name__: c for c in registered_strategies().values()})
+
+__all__ = _NEW + ["analyze", "Strategy", "StrategyReport", "Plan", "register_strategy",
+           "registered_strategies", "summary_order", "given_strategies", "world_size",
+           "add_strategy_options", "strategies_from_options", "LoRA", "QLoRA",
            "apply_lora", "apply_qlora", "Checkpoint", "FSDP", "TensorParallel", "ZeRO", "DDP"]

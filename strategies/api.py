@@ -21,27 +21,27 @@ import torch
 
 from memsim import analysis
 from memsim.analysis import Report, Retracer
-from memsim.tracer import StepConfig, StrategyError
+from memsim.tracer import InputError, StepConfig, StrategyError, UsageError
+from memsim.tracer.errors import did_you_mean
 
 from .base import (Plan, RankClass, RankInfo, Strategy, StrategyReport,
                    registered_strategies)
 
-__all__ = ["analyze", "given_strategies", "world_size"]
+__all__ = ["analyze", "given_strategies", "world_size", "add_strategy_options",
+           "strategies_from_options"]
 
 
 def given_strategies(strategies: Iterable[Strategy] = (), **by_key) -> dict[str, Strategy]:
     """``{key: strategy}`` in application order, from strategy values and keyword ones
     (``fsdp=FSDP(8)``, ``checkpoint="blocks"``); a key given twice or a value of the wrong
     kind is an error naming it."""
-    from .checkpoint import Checkpoint
-
     known = registered_strategies()
     out: dict[str, Strategy] = {}
     items = [(s.key if isinstance(s, Strategy) else None, s) for s in strategies]
     items += [(k, v) for k, v in by_key.items() if v is not None and v is not False]
     for key, value in items:
-        if key == "checkpoint" and isinstance(value, (str, list, tuple)):
-            value = Checkpoint(value)
+        if key in known:
+            value = known[key].coerce(value)
         if key not in known or not isinstance(value, known[key]):
             want = known[key].__name__ if key in known else "a strategy"
             raise StrategyError(f"{key or 'strategy'}= takes a {want}, got "
@@ -53,32 +53,74 @@ def given_strategies(strategies: Iterable[Strategy] = (), **by_key) -> dict[str,
     return {k: out[k] for k in known if k in out}
 
 
+def add_strategy_options(group) -> None:
+    """Every registered strategy's command-line options on ``group`` (an argparse group), and
+    ``--dp``, the data-parallel ranks the strategies on that mesh dimension share."""
+    dp = [f for cls in registered_strategies().values() if cls.axis == "dp" for f in cls.flags]
+    group.add_argument("--dp", type=int, metavar="N",
+                       help=f"data-parallel ranks (with {_either(dp)})")
+    for cls in registered_strategies().values():
+        cls.add_options(group)
+
+
+def strategies_from_options(opts, step: dict) -> dict[str, Strategy]:
+    """``{key: strategy}`` from parsed command-line options, each checked before any trace;
+    ``step`` (the step options by name) as the strategies complete it."""
+    known = registered_strategies()
+    out = {}
+    for key, cls in known.items():
+        got = cls.from_options(opts, step)
+        if got is not None:
+            out[key] = got
+    dp = [f for cls in known.values() if cls.axis == "dp" for f in cls.flags]
+    if getattr(opts, "dp", None) is not None and not any(
+            getattr(opts, f[2:].replace("-", "_"), None) for f in dp):
+        raise UsageError(f"--dp given without {_either(dp)}",
+                         hint="say how the data-parallel ranks share the model")
+    return out
+
+
+def _either(flags: list[str]) -> str:
+    return ", ".join(flags[:-1]) + " or " + flags[-1] if len(flags) > 1 else "".join(flags)
+
+
 def world_size(given: Mapping[str, Strategy]) -> int:
-    """Data-parallel ranks times tensor-parallel ranks."""
-    dp = [s.dp for k, s in given.items() if k in ("fsdp", "zero", "ddp")]
-    tp = given.get("tp")
-    return (dp[0] if dp else 1) * (tp.tp if tp is not None else 1)
+    """The product of the ranks along each mesh dimension the strategies span."""
+    degree: dict[str, int] = {}
+    for s in given.values():
+        if s.axis:
+            degree.setdefault(s.axis, s.degree)
+    out = 1
+    for d in degree.values():
+        out *= d
+    return out
 
 
 def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None, *,
             strategies: Iterable[Strategy] = (), train: bool = True, inference: bool = True,
             fixed: Mapping[str, int] | None = None, explore: bool = True, fit: bool = True,
-            lora=None, fsdp=None, tp=None, zero=None, ddp=None, checkpoint=None,
             points=None, **options) -> Report:
     """:func:`memsim.analysis.analyze` under strategies: one rank's figures.
 
-    ``strategies``: :class:`~memsim.strategies.base.Strategy` values; or by keyword: ``lora``
-    (a :class:`LoRA` or :class:`QLoRA`), ``fsdp``, ``tp``, ``zero``, ``ddp``, ``checkpoint``
-    (a named plan ``"blocks"``, ``"selective"``, ``"every:K"``, module paths, or a
-    :class:`Checkpoint`). ``options``: fields of :class:`~memsim.tracer.StepConfig` over
-    ``config`` (``device="cpu"``, ``precision="bf16-mixed"``...). ``fixed``, ``explore``,
-    ``points``: as :func:`memsim.analysis.analyze` (the strategy's report is explored as a
-    whole; a point of ``points`` below the range is traced beside it, under the strategies).
-    With no strategy, the plain :class:`~memsim.analysis.Report`.
+    ``strategies``: :class:`~memsim.strategies.base.Strategy` values. ``options``: a
+    strategy by its key (``lora=LoRA(r=16)`` or a :class:`QLoRA`, ``fsdp=FSDP(8)``, ``tp``,
+    ``zero``, ``ddp``, ``checkpoint`` as a named plan ``"blocks"``, ``"selective"``,
+    ``"every:K"``, module paths or a :class:`Checkpoint`; every registered key), or a field of
+    :class:`~memsim.tracer.StepConfig` over ``config`` (``device="cpu"``,
+    ``precision="bf16-mixed"``...). ``fixed``, ``explore``, ``points``: as
+    :func:`memsim.analysis.analyze` (the strategy's report is explored as a whole; a point of
+    ``points`` below the range is traced beside it, under the strategies). With no strategy,
+    the plain :class:`~memsim.analysis.Report`.
     """
-    config = StepConfig.of(config, **options)
-    given = given_strategies(strategies, lora=lora, fsdp=fsdp, tp=tp, zero=zero, ddp=ddp,
-                             checkpoint=checkpoint)
+    known = registered_strategies()
+    steps = StepConfig.option_names()
+    for k in options:
+        if k not in known and k not in steps:
+            raise InputError(f"unknown option {k!r}" + did_you_mean(k, sorted(known) + steps),
+                             hint=f"strategies: {', '.join(known)}; step options: "
+                                  f"{', '.join(steps)}")
+    config = StepConfig.of(config, **{k: v for k, v in options.items() if k not in known})
+    given = given_strategies(strategies, **{k: v for k, v in options.items() if k in known})
     if not given:
         return analysis.analyze(model, inputs, config, train=train, inference=inference,
                                 fixed=fixed, explore=explore, fit=fit, points=points)

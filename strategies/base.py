@@ -14,8 +14,11 @@ frozen dataclass with three methods:
 :func:`memsim.strategies.analyze` applies the strategies in registration order (model
 transforms first), traces the plan once per rank it selects, applies the edits and returns a
 :class:`StrategyReport`, which wraps the plain :class:`~memsim.analysis.Report` of each rank
-without changing it. A new strategy is one file: the dataclass and
-``register_strategy(MyStrategy)``.
+without changing it. A new strategy is one file: the dataclass, its class attributes
+(``key``, ``order``, ``axis``, ``flags``), its command-line options (``add_options``,
+``from_options``), its text summary (``summary``) and ``register_strategy(MyStrategy)``; the
+command line, the renderer, :func:`memsim.strategies.analyze`'s keywords and ``memsim compare``
+loop over the registered strategies (docs/architecture.md lists the steps).
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import sympy
 import torch
 
 from memsim.analysis import Report, StepMemory
-from memsim.tracer import Driver, StepConfig, StrategyError
+from memsim.tracer import Driver, StepConfig, StrategyError, UsageError
 
 __all__ = ["Strategy", "Plan", "Ranks", "RankInfo", "Edit", "RankClass", "StrategyReport",
-           "register_strategy", "registered_strategies", "exclusive"]
+           "register_strategy", "registered_strategies", "summary_order", "exclusive", "AXES",
+           "data_parallel"]
 
 _STRATEGIES: dict[str, type] = {}
 
@@ -50,15 +54,66 @@ def register_strategy(cls: type) -> type:
 
 
 def registered_strategies() -> dict[str, type]:
-    """``{key: class}`` in application order."""
-    return dict(_STRATEGIES)
+    """``{key: class}`` in application order (each class's ``order``, then registration)."""
+    ordered = sorted(enumerate(_STRATEGIES.items()), key=lambda e: (e[1][1].order, e[0]))
+    return {k: cls for _, (k, cls) in ordered}
+
+
+# the device mesh's dimensions, outermost first: the order a strategy summary names them in
+AXES = ("dp", "tp")
+
+
+def summary_order() -> list[type]:
+    """The registered classes in the order a summary names them: the mesh dimensions they
+    span, outermost first (:data:`AXES`), then the rest in application order."""
+    rank = {a: i for i, a in enumerate(AXES)}
+    return sorted(registered_strategies().values(),
+                  key=lambda c: rank.get(c.axis, len(AXES)))
 
 
 class Strategy:
     """The interface of a strategy (see the module docstring). Subclasses are frozen
-    dataclasses with a ``key``."""
+    dataclasses with a ``key``.
+
+    Class attributes: ``key`` (its keyword in :func:`memsim.strategies.analyze` and its JSON
+    section), ``order`` (strategies apply in increasing order: transforms of the model first),
+    ``axis`` (the dimension of the device mesh it spans, one of :data:`AXES`, read as the
+    field of that name: ``dp=8``; None for none) and ``flags`` (the command-line options that
+    turn it on, for messages).
+    """
 
     key: ClassVar[str] = ""
+    order: ClassVar[int] = 100
+    axis: ClassVar[str | None] = None
+    flags: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def degree(self) -> int:
+        """Ranks along its mesh dimension (1 where it spans none)."""
+        return getattr(self, self.axis) if self.axis else 1
+
+    @classmethod
+    def coerce(cls, value):
+        """The strategy a keyword argument gives (``checkpoint="blocks"``): ``value`` itself
+        by default."""
+        return value
+
+    @classmethod
+    def add_options(cls, group) -> None:
+        """Add its command-line options to ``group`` (an argparse argument group)."""
+
+    @classmethod
+    def from_options(cls, opts, step: dict) -> "Strategy | None":
+        """The strategy the parsed command-line options ``opts`` ask for, or None; raise a
+        :class:`~memsim.tracer.UsageError` naming an option given without what it needs.
+        ``step``: the step options (:class:`~memsim.tracer.StepConfig` fields by name) the
+        command line gives, which a strategy may complete (a DeepSpeed config's precision)."""
+        return None
+
+    @classmethod
+    def summary(cls, described) -> str:
+        """One phrase for the text report, from :meth:`describe`'s output."""
+        return f"{cls.__name__} {described}"
 
     def validate(self, given: Mapping[str, "Strategy"], config: StepConfig) -> None:
         """Raise a StrategyError when ``self`` cannot combine with ``given`` or ``config``."""
@@ -71,6 +126,14 @@ class Strategy:
     def apply(self, plan: "Plan") -> "Plan":
         """``plan`` with what this strategy needs added."""
         raise NotImplementedError
+
+
+def data_parallel(flag: str, opts) -> int:
+    """``--dp``, which the data-parallel strategy that ``flag`` turned on needs."""
+    dp = getattr(opts, "dp", None)
+    if dp is None:
+        raise UsageError(f"{flag} needs --dp N", hint="the number of data-parallel ranks")
+    return dp
 
 
 def exclusive(given: Mapping[str, Strategy], key: str, group: tuple[str, ...], hint: str

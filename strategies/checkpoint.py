@@ -68,7 +68,27 @@ class Checkpoint(Strategy):
     ``"none"``) or module paths, applied with ``torch.utils.checkpoint`` inside the run."""
 
     key: ClassVar[str] = "checkpoint"
+    order: ClassVar[int] = 20
+    flags: ClassVar[tuple[str, ...]] = ("--checkpoint",)
     plan: str | tuple[str, ...] = "blocks"
+
+    @classmethod
+    def coerce(cls, value):
+        """A plan's name or module paths stand for ``Checkpoint(value)``."""
+        return cls(value) if isinstance(value, (str, list, tuple)) else value
+
+    @classmethod
+    def add_options(cls, group) -> None:
+        group.add_argument("--checkpoint", metavar="PLAN", dest="ckpt",
+                           help="activation checkpointing: blocks, selective, every:K")
+
+    @classmethod
+    def from_options(cls, opts, step):
+        return cls(opts.ckpt) if opts.ckpt else None
+
+    @classmethod
+    def summary(cls, d) -> str:
+        return f"checkpointing {d}"
 
     def __post_init__(self):
         if isinstance(self.plan, list):

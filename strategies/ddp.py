@@ -23,9 +23,9 @@ import torch
 from memsim.analysis import StepMemory
 from memsim.analysis.memory import Added, edited_candidates
 from memsim.analysis.peak import Candidate, as_max
-from memsim.tracer import Category, Phase, StrategyError
+from memsim.tracer import Category, Phase, StrategyError, UsageError
 
-from .base import Edit, Strategy, exclusive, register_strategy
+from .base import Edit, Strategy, data_parallel, exclusive, register_strategy
 
 __all__ = ["DDP", "ddp_rank", "RankMemory", "RankStep", "rank_step"]
 
@@ -36,6 +36,9 @@ class DDP(Strategy):
     """``DistributedDataParallel`` over ``dp`` ranks."""
 
     key: ClassVar[str] = "ddp"
+    order: ClassVar[int] = 60
+    axis: ClassVar[str] = "dp"
+    flags: ClassVar[tuple[str, ...]] = ("--ddp",)
     dp: int
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
@@ -43,6 +46,25 @@ class DDP(Strategy):
     def __post_init__(self):
         if not isinstance(self.dp, int) or self.dp < 1:
             raise StrategyError(f"DDP dp={self.dp!r} must be an int >= 1")
+
+    @classmethod
+    def add_options(cls, group) -> None:
+        group.add_argument("--ddp", action="store_true", help="DDP buckets over --dp ranks")
+        group.add_argument("--bucket-view", action="store_true",
+                           help="DDP gradient_as_bucket_view=True (gradients are views into the "
+                                "buckets)")
+
+    @classmethod
+    def from_options(cls, opts, step):
+        if not opts.ddp:
+            if opts.bucket_view:
+                raise UsageError("--bucket-view is a DDP option", hint="add --ddp --dp N")
+            return None
+        return cls(dp=data_parallel("--ddp", opts), gradient_as_bucket_view=opts.bucket_view)
+
+    @classmethod
+    def summary(cls, d) -> str:
+        return f"DDP dp={d['dp']}"
 
     def validate(self, given, config) -> None:
         exclusive(given, self.key, ("fsdp", "zero", "ddp"),

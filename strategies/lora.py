@@ -62,10 +62,31 @@ class LoRA(Strategy):
     """
 
     key: ClassVar[str] = "lora"
+    order: ClassVar[int] = 10
+    flags: ClassVar[tuple[str, ...]] = ("--lora", "--qlora")
     r: int = 8
     alpha: float | None = None
     dropout: float = 0.0
     targets: tuple[str, ...] | str = "attention"
+
+    @classmethod
+    def add_options(cls, group) -> None:
+        group.add_argument("--lora", metavar="r=16,...", help="LoRA: r, alpha, dropout, targets")
+        group.add_argument("--qlora", metavar="r=16,...",
+                           help="QLoRA (NF4 base, bitsandbytes): r, alpha, dropout, targets, "
+                                "compute (default bfloat16)")
+
+    @classmethod
+    def from_options(cls, opts, step):
+        if opts.lora and opts.qlora:
+            raise UsageError("--lora and --qlora both given", hint="QLoRA is LoRA on a 4-bit base")
+        if opts.lora:
+            return parse_lora(opts.lora)
+        return parse_lora(opts.qlora, QLoRA) if opts.qlora else None
+
+    @classmethod
+    def summary(cls, d) -> str:
+        return ("QLoRA (NF4)" if "compute_dtype" in d else "LoRA") + f" r={d['r']}"
 
     def __post_init__(self):
         if not isinstance(self.r, int) or self.r < 1:

@@ -27,10 +27,10 @@ from typing import ClassVar
 
 import torch
 
-from memsim.tracer import MemsimError, StrategyError
+from memsim.tracer import MemsimError, StrategyError, UsageError
 from memsim.tracer.records import Word
 
-from .base import Ranks, Strategy, exclusive, register_strategy
+from .base import Ranks, Strategy, data_parallel, exclusive, register_strategy
 
 __all__ = ["FSDP", "TensorParallel", "Style", "transform", "process_group", "tp_plan"]
 
@@ -83,6 +83,9 @@ class TensorParallel(Strategy):
     """
 
     key: ClassVar[str] = "tp"
+    order: ClassVar[int] = 30
+    axis: ClassVar[str] = "tp"
+    flags: ClassVar[tuple[str, ...]] = ("--tp",)
     tp: int
     plan: str | dict = "auto"
     sequence_parallel: bool = False
@@ -91,6 +94,38 @@ class TensorParallel(Strategy):
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
             raise StrategyError(f"TensorParallel tp={self.tp!r} must be an int >= 1")
+
+    @classmethod
+    def add_options(cls, group) -> None:
+        group.add_argument("--tp", type=int, metavar="N", help="tensor-parallel ranks")
+        group.add_argument(
+            "--tp-plan", metavar="PAT=STYLE,...",
+            help="tensor-parallel plan (default: the model's Hugging Face plan); styles "
+                 "colwise, rowwise, sequence, colwise_rep, rowwise_rep, replicate")
+        group.add_argument("--sp", action="store_true",
+                           help="sequence parallelism with --tp (Megatron's: norms and the "
+                                "residual stream split along the sequence)")
+
+    @classmethod
+    def from_options(cls, opts, step):
+        if not opts.tp:
+            if opts.sp or opts.tp_plan:
+                raise UsageError("--sp and --tp-plan need --tp N")
+            return None
+        plan = "auto"
+        if opts.tp_plan:
+            plan = {}
+            for part in opts.tp_plan.split(","):
+                pat, eq, style = part.partition("=")
+                if not eq:
+                    raise UsageError(f"--tp-plan entry {part!r} is not PATTERN=STYLE",
+                                     hint="e.g. --tp-plan 'h.*.attn.c_attn=colwise'")
+                plan[pat.strip()] = style.strip()
+        return cls(opts.tp, plan, opts.sp)
+
+    @classmethod
+    def summary(cls, d) -> str:
+        return f"TP {d['tp']}" + (" + SP" if d["sequence_parallel"] else "")
 
     def apply(self, plan):
         if "zero" in plan.given:
@@ -124,6 +159,9 @@ class FSDP(Strategy):
     """
 
     key: ClassVar[str] = "fsdp"
+    order: ClassVar[int] = 40
+    axis: ClassVar[str] = "dp"
+    flags: ClassVar[tuple[str, ...]] = ("--fsdp",)
     dp: int
     reshard_after_forward: bool | str = True
     units: str | tuple[str, ...] = "blocks"
@@ -155,6 +193,52 @@ class FSDP(Strategy):
             object.__setattr__(self, k, name)
             _dtype(name)  # an unknown dtype fails here, before any trace
 
+    @classmethod
+    def add_options(cls, group) -> None:
+        group.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard over --dp ranks")
+        group.add_argument("--no-reshard", action="store_true",
+                           help="FSDP2 reshard_after_forward=False (ZeRO-2-like)")
+        group.add_argument("--reshard-not-last", action="store_true",
+                           help="FSDP2 reshard_after_forward for every unit but the last, whose "
+                                "backward comes first (torchtitan's default policy)")
+        group.add_argument("--param-dtype", metavar="DTYPE",
+                           help="FSDP2 MixedPrecisionPolicy param_dtype: the dtype parameters "
+                                "are all-gathered and computed in (bf16, fp16, fp32)")
+        group.add_argument("--reduce-dtype", metavar="DTYPE",
+                           help="FSDP2 MixedPrecisionPolicy reduce_dtype: the dtype gradients "
+                                "are reduce-scattered in (default: --param-dtype)")
+        group.add_argument("--fsdp-shard-dim", action="append", metavar="PATTERN=DIM",
+                           help="FSDP2 shard_placement_fn: shard the parameters whose names "
+                                "match PATTERN (fnmatch) on dimension DIM instead of 0, e.g. "
+                                "'*.experts.*=1' for stacked MoE experts over more ranks than "
+                                "experts (torchtitan's choice); repeatable, the first match wins")
+
+    @classmethod
+    def from_options(cls, opts, step):
+        if not opts.fsdp:
+            for flag in ("no_reshard", "reshard_not_last", "param_dtype", "reduce_dtype",
+                         "fsdp_shard_dim"):
+                if getattr(opts, flag):
+                    raise UsageError(f"--{flag.replace('_', '-')} is an FSDP option",
+                                     hint="add --fsdp --dp N")
+            return None
+        dp = data_parallel("--fsdp", opts)
+        if opts.no_reshard and opts.reshard_not_last:
+            raise UsageError("--no-reshard and --reshard-not-last contradict each other",
+                             hint="give one of them")
+        return cls(dp=dp, reshard_after_forward="not-last" if opts.reshard_not_last
+                   else not opts.no_reshard, param_dtype=opts.param_dtype,
+                   reduce_dtype=opts.reduce_dtype,
+                   shard_dims=_shard_dim_options(opts.fsdp_shard_dim or ()))
+
+    @classmethod
+    def summary(cls, d) -> str:
+        raf = d["reshard_after_forward"]
+        return f"FSDP2 dp={d['dp']} (" + (
+            "reshard after forward but the last unit" if raf == "not-last"
+            else "reshard after forward" if raf else "no reshard after forward") + "".join(
+            f"; {pat} on dim {dim}" for pat, dim in d.get("shard_dims") or ()) + ")"
+
     def validate(self, given, config) -> None:
         exclusive(given, self.key, ("fsdp", "zero", "ddp"),
                   "FSDP2 and ZeRO-3 are the same idea; DDP buckets do not exist under FSDP")
@@ -178,6 +262,18 @@ CUDA_FSDP_NOTE = ("FSDP2 on CUDA: traced through FSDP2's own code on CPU fake te
                   "and events order work, buffers die with their last reference or resize_(0)); "
                   "NCCL's own buffers, outside the caching allocator, and stream overlap are not "
                   "modelled; not measured on a GPU")
+
+
+def _shard_dim_options(given) -> tuple[tuple[str, int], ...]:
+    """``--fsdp-shard-dim PATTERN=DIM`` options as :attr:`FSDP.shard_dims` pairs."""
+    out = []
+    for text in given:
+        pattern, eq, dim = text.rpartition("=")
+        if not eq or not pattern or not dim.strip().isdigit():
+            raise UsageError(f"--fsdp-shard-dim {text!r} is not PATTERN=DIM",
+                             hint="e.g. --fsdp-shard-dim '*.experts.*=1'")
+        out.append((pattern, int(dim)))
+    return tuple(out)
 
 
 def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):

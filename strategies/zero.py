@@ -15,16 +15,17 @@ True
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import sympy
 import torch
 
 from memsim.analysis.peak import as_max
-from memsim.tracer import Precision, StrategyError
+from memsim.tracer import Precision, StrategyError, UsageError
 
-from .base import Ranks, Strategy, exclusive, register_strategy
+from .base import Ranks, Strategy, data_parallel, exclusive, register_strategy
 
 __all__ = ["ZeRO", "load_deepspeed_config", "host_peak", "fused_adamw"]
 
@@ -38,6 +39,9 @@ class ZeRO(Strategy):
     ranks); stage 3 traces one rank per group (:meth:`partition_classes`) and ignores it."""
 
     key: ClassVar[str] = "zero"
+    order: ClassVar[int] = 50
+    axis: ClassVar[str] = "dp"
+    flags: ClassVar[tuple[str, ...]] = ("--zero", "--deepspeed")
     stage: int
     dp: int
     reduce_bucket_size: int = 500_000_000
@@ -70,6 +74,55 @@ class ZeRO(Strategy):
 
         if not isinstance(self.traced_ranks, int) or self.traced_ranks < 1:
             raise StrategyError(f"ZeRO traced_ranks={self.traced_ranks!r} must be an int >= 1")
+
+    @classmethod
+    def add_options(cls, group) -> None:
+        group.add_argument("--zero", type=int, choices=(1, 2, 3),
+                           help="DeepSpeed ZeRO stage (DeepSpeed's engine traced; needs the "
+                                "deepspeed package)")
+        group.add_argument("--deepspeed", metavar="FILE",
+                           help="a DeepSpeed ds_config.json (stage, buckets, precision, offload)")
+        group.add_argument("--offload", choices=("optimizer", "optimizer+params"),
+                           help="ZeRO-Offload to CPU memory")
+
+    @classmethod
+    def from_options(cls, opts, step):
+        if not (opts.zero or opts.deepspeed):
+            if opts.offload:
+                raise UsageError("--offload is a ZeRO option", hint="add --zero 2 or --zero 3")
+            return None
+        dp = data_parallel("--zero" if opts.zero else "--deepspeed", opts)
+        z = None
+        if opts.deepspeed:
+            z, prec = load_deepspeed_config(opts.deepspeed, dp)
+            if prec is not None:
+                given = Precision.parse(step.get("precision", Precision.TRUE32))
+                if given is not Precision.TRUE32 and given is not prec:
+                    raise UsageError(f"--precision {step['precision']} contradicts "
+                                     f"{opts.deepspeed} ({prec})")
+                step["precision"] = prec
+        if opts.zero:
+            z = replace(z, stage=opts.zero) if z is not None else cls(opts.zero, dp)
+        if z is not None and os.environ.get("MEMSIM_ZERO_RANKS"):
+            # ranks traced per ZeRO analysis (beyond it: 0, 1, N-2, N-1)
+            try:
+                n = int(os.environ["MEMSIM_ZERO_RANKS"])
+            except ValueError:
+                raise UsageError(f"MEMSIM_ZERO_RANKS={os.environ['MEMSIM_ZERO_RANKS']!r} is not "
+                                 "an int", hint="the number of ranks ZeRO traces, e.g. 8") from None
+            z = replace(z, traced_ranks=n)
+        if opts.offload:
+            if z is None:
+                raise UsageError("--offload is a ZeRO option", hint="add --zero 2 or --zero 3")
+            z = replace(z, offload_optimizer="cpu",
+                        offload_param="cpu" if "params" in opts.offload else None)
+        return z
+
+    @classmethod
+    def summary(cls, d) -> str:
+        off = "cpu" in (d.get("offload_optimizer"), d.get("offload_param"))
+        return (f"DeepSpeed ZeRO-{d['stage']} dp={d['dp']}" + (" + CPU offload" if off else "")
+                + " (DeepSpeed's engine, traced)")
 
     @property
     def offloaded(self) -> bool:

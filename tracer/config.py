@@ -77,6 +77,11 @@ def _enum(cls, value, what: str):
                          hint=f"use one of {', '.join(names)}") from None
 
 
+def _assignments(text: str, option: str) -> dict[str, int]:
+    from .spec import parse_assignments
+    return parse_assignments(text, option)
+
+
 def _sizes(value, what: str) -> dict[str, int]:
     out = dict(value or {})
     for k, v in out.items():
@@ -84,6 +89,27 @@ def _sizes(value, what: str) -> dict[str, int]:
             raise InputError(f"{what} {k}={v!r}: expected a symbol name and an int",
                              hint=f"e.g. {what}={{'S': 64}}")
     return out
+
+
+@dataclass(frozen=True)
+class CliOption:
+    """How a :class:`StepConfig` field is given on the command line (the field's metadata
+    ``"cli"``): the flag, its help, argparse keywords, and ``value``, which turns the parsed
+    option into the field's value (identity by default). The command line adds one option per
+    field that has it; the flag's default is the field's default."""
+
+    flag: str
+    help: str
+    argparse: Mapping[str, Any] = field(default_factory=dict)
+    value: Callable[[Any], Any] | None = None
+
+
+def _cli(flag: str, help: str, *, value=None, **argparse) -> dict:
+    return {"cli": CliOption(flag, help, argparse, value)}
+
+
+def _hashable(value):
+    return tuple(sorted(value.items())) if isinstance(value, Mapping) else value
 
 
 @dataclass(frozen=True)
@@ -121,17 +147,41 @@ class StepConfig:
         (:mod:`memsim.tracer.fold`); False traces every block.
     """
 
-    device: Device = Device.CUDA
-    cpu_isa: CpuIsa = CpuIsa.AVX512
-    precision: Precision = Precision.TRUE32
-    optimizer: str | Callable | None = None
+    device: Device = field(default=Device.CUDA, metadata=_cli(
+        "--device", "whose kernels to model (default cuda)", choices=("cuda", "cpu")))
+    cpu_isa: CpuIsa = field(default=CpuIsa.AVX512, metadata=_cli(
+        "--cpu-isa", "with --device cpu, the modelled CPU's instruction set where kernels "
+        "differ by it (bf16 nn.LSTM: oneDNN with AVX-512, PyTorch's native kernel without); "
+        "default avx512, whatever the machine memsim runs on", choices=("avx512", "avx2")))
+    precision: Precision = field(default=Precision.TRUE32, metadata=_cli(
+        "--precision", "32-true, bf16-mixed, 16-mixed, bf16-true, 16-true or bf16-master "
+        "(default 32-true)"))
+    optimizer: str | Callable | None = field(default=None, metadata=_cli(
+        "--optimizer", "a torch.optim class, with its options as Python writes them "
+        "('AdamW(foreach=False)', 'Adam(amsgrad=True)'), or lion, adamw8bit, paged_adamw8bit, "
+        "lion8bit, sgd-momentum... (default AdamW; under --zero on --device cuda, DeepSpeed's "
+        "FusedAdam)"))
     loss_fn: Callable | None = None
-    loop: Loop = Loop.KEEP
-    accumulate: int = 1
-    compiled: bool = False
-    hints: Mapping[str, int] = field(default_factory=dict)
+    loop: Loop = field(default=Loop.KEEP, metadata=_cli(
+        "--drop-outputs", "the loop releases the forward output once the loss exists (Hugging "
+        "Face's Trainer, Lightning, TRL, torchtune, torchtitan); default: kept through backward "
+        "and the optimizer step, as a plain loop keeps it",
+        value=lambda drop: Loop.DROP if drop else Loop.KEEP, action="store_true"))
+    accumulate: int = field(default=1, metadata=_cli(
+        "--accumulate", "micro-batches per optimizer step (gradient accumulation, default 1)",
+        type=int, metavar="K"))
+    compiled: bool = field(default=False, metadata=_cli(
+        "--compiled", "the step under torch.compile(model, fullgraph=True): what Inductor's "
+        "partitioner saves for backward, and its fusion (see docs/compiled.md)",
+        action="store_true"))
+    hints: Mapping[str, int] = field(default_factory=dict, metadata=_cli(
+        "--hint", "example sizes for the symbolic run", metavar="S=64",
+        value=lambda text: _assignments(text, "--hint")))
     limits: Mapping[str, int] = field(default_factory=dict)
-    fold: bool = True
+    fold: bool = field(default=True, metadata=_cli(
+        "--no-fold", "trace every block of a repeated stack (by default a few are traced and "
+        "the rest derived, proven on the model itself; see docs/performance.md)",
+        value=lambda every: not every, action="store_true"))
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen)
@@ -155,9 +205,36 @@ class StepConfig:
         put("limits", _sizes(self.limits, "limits"))
 
     def __hash__(self) -> int:
-        return hash((self.device, self.cpu_isa, self.precision, self.optimizer, self.loss_fn,
-                     self.loop, self.accumulate, self.compiled, tuple(sorted(self.hints.items())),
-                     tuple(sorted(self.limits.items())), self.fold))
+        # every field, mappings as sorted pairs: a new field is hashed without a change here
+        return hash(tuple(_hashable(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+    @classmethod
+    def cli_options(cls) -> list[tuple[str, CliOption, Any]]:
+        """``(field name, CliOption, default)`` of every field given on the command line,
+        the default as the command line writes it (an enum's word, ``None`` for an empty
+        mapping)."""
+        out = []
+        for f in dataclasses.fields(cls):
+            opt = f.metadata.get("cli")
+            if opt is None:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if opt.argparse.get("action") == "store_true":
+                default = False
+            out.append((f.name, opt, getattr(default, "value", default)))
+        return out
+
+    @classmethod
+    def from_options(cls, opts) -> dict[str, Any]:
+        """The fields the parsed command-line options ``opts`` give, by name (attributes named
+        as argparse names each flag), not validated yet: a strategy may complete them."""
+        out = {}
+        for name, opt, _ in cls.cli_options():
+            got = getattr(opts, opt.flag[2:].replace("-", "_"))
+            if got is None:
+                continue
+            out[name] = opt.value(got) if opt.value else got
+        return out
 
     @property
     def keep_outputs(self) -> bool:
@@ -172,6 +249,11 @@ class StepConfig:
         sizes and limits no longer apply."""
         return self.replace(hints={k: v for k, v in self.hints.items() if k not in fixed},
                             limits={k: v for k, v in self.limits.items() if k not in fixed})
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The keyword options :meth:`of` takes: the fields and ``keep_outputs``."""
+        return sorted({f.name for f in dataclasses.fields(cls)} | {"keep_outputs"})
 
     @classmethod
     def of(cls, config: "StepConfig | None" = None, **options: Any) -> "StepConfig":
