@@ -42,7 +42,8 @@ from memsim.tracer import OutOfRangeError, SpecializationError
 
 from .memory import PeakPoint
 from .peak import Candidate
-from .report import TRAIN_FIELDS, Report, Retracer
+from .explore import Retracer, cross_guards
+from .report import TRAIN_FIELDS, Report
 
 DEGREE = 2  # the fit's polynomial degree: quadratic in the pinned symbol
 
@@ -298,7 +299,6 @@ def fitted(analyze, model, inputs, config, error: SpecializationError, hint: int
     not a pinned symbol but a kernel taking no symbolic sizes)."""
     from memsim.tracer.spec import symbol
 
-    from .report import cross_guards
     name = error.symbol
     retracer = Retracer(analyze, model, inputs, config, dict(options))
     already = dict(fixed or {})

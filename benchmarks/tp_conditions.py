@@ -64,7 +64,7 @@ def main() -> None:
                 report = analyze(model, LM, device="cpu", inference=False, tp=tp)
                 took = time.perf_counter() - t0
             covered = sum(not report.needs_retrace({"B": b, "S": s})
-                          or report._side_for({"B": b, "S": s}) is not None for b, s in POINTS)
+                          or report.side_for({"B": b, "S": s}) is not None for b, s in POINTS)
             print(f"{name:<10} {'on' if on else 'off':<9} {took:>6.1f} s "
                   f"{covered:>14} of {len(POINTS)}", flush=True)
 

@@ -301,7 +301,7 @@ class StrategyReport(Report):
             out["host_bytes"] = str(self.host_bytes)
         return out
 
-    def _counterpart(self, other: Report) -> Report:
+    def counterpart(self, other: Report) -> Report:
         """A retrace analyses every rank again (one cached analysis): this rank's group."""
         if getattr(other, "rank", self.rank) != self.rank:
             return next((rc.report for rc in other.ranks if self.rank in rc.ranks), other)

@@ -209,23 +209,24 @@ def test_the_command_line_says_how_it_traced(tmp_path, capsys):
 
 def test_run_b_traced_in_a_child_process_equals_run_b_traced_here(monkeypatch):
     """Run B (one unit more) is traced in a forked child beside run A where the platform allows
-    (``memsim.tracer.trace._fork_traced``); the folded trace is the same either way, and a child
+    (``memsim.tracer.trace._fork_traced``, :mod:`memsim.tracer.fork`); the folded trace is the same either way, and a child
     that fails gives no trace, so that the run is traced here."""
     import importlib
     import os
     import sys
     T = importlib.import_module("memsim.tracer.trace")
+    fork = importlib.import_module("memsim.tracer.fork")
     if not sys.platform.startswith("linux"):
         pytest.skip("run B is forked on Linux only")
     model, inputs = FAMILIES["llama"](), LM
     patches, limits = adapt(model, inputs)
     forks = []
     real = T._fork_traced
-    monkeypatch.setattr(T, "_parallel", lambda: True)  # the suite turns it off (conftest)
+    monkeypatch.setattr(fork, "parallel", lambda: True)  # the suite turns it off (conftest)
     monkeypatch.setattr(T, "_fork_traced", lambda *a, **k: forks.append(1) or real(*a, **k))
     child = trace(model, inputs, patches=patches, limits=limits, device="cuda")
     assert forks and child.folded.reason is None
-    monkeypatch.setattr(T, "_parallel", lambda: False)
+    monkeypatch.setattr(fork, "parallel", lambda: False)
     here = trace(model, inputs, patches=patches, limits=limits, device="cuda")
     assert fold.difference(child.run, here.run) is None
     assert fold.difference(child.folded.pair, here.folded.pair) is None
@@ -235,7 +236,7 @@ def test_run_b_traced_in_a_child_process_equals_run_b_traced_here(monkeypatch):
     if pid == 0:
         os._exit(1)
     os.close(w)
-    assert T._joined((pid, r)) is None
+    assert fork.joined((pid, r)) is None
     # a child no longer wanted (run A failed) is stopped and reaped, not left blocked on its
     # pipe for the rest of the process
     r, w = os.pipe()
@@ -246,7 +247,7 @@ def test_run_b_traced_in_a_child_process_equals_run_b_traced_here(monkeypatch):
         time.sleep(60)
         os._exit(0)
     os.close(w)
-    T._abandon((pid, r))
+    fork.abandon((pid, r))
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
 
@@ -262,8 +263,8 @@ def test_a_point_below_the_range_is_traced_beside_the_analysis(monkeypatch):
     import os
     import sys
 
-    from memsim.analysis import report as R
-    T = importlib.import_module("memsim.tracer.trace")
+    from memsim.analysis import explore as E
+    fork = importlib.import_module("memsim.tracer.fork")
     if not sys.platform.startswith("linux"):
         pytest.skip("forked on Linux only")
     model = _model(transformers.LlamaForCausalLM, transformers.LlamaConfig(
@@ -271,13 +272,13 @@ def test_a_point_below_the_range_is_traced_beside_the_analysis(monkeypatch):
     at = {"B": 1, "S": 8}
 
     def report(parallel: bool, **kw):
-        monkeypatch.setattr(T, "_parallel", lambda: parallel)  # off in the suite (conftest)
+        monkeypatch.setattr(fork, "parallel", lambda: parallel)  # off in the suite (conftest)
         return analyze(model, LM, device="cpu", inference=False, explore=False,
                        points=[at], **kw)
 
     for kw in ({}, {"fsdp": FSDP(2)}):
         rep = report(True, **kw)
-        assert [type(v) for v in rep.retracer.cache.values()] == [R._Beside]
+        assert [type(v) for v in rep.retracer.cache.values()] == [E._Beside]
         sub, pt = rep.for_point(at)
         here, pt2 = report(False, **kw).for_point(at)
         assert sub.fixed == here.fixed == {"B": 1} and type(sub) is type(here) and pt == pt2
@@ -288,7 +289,7 @@ def test_a_point_below_the_range_is_traced_beside_the_analysis(monkeypatch):
     (a, pa), (b, pb) = sub.for_point({"S": 1}), here.for_point({"S": 1})
     assert a.fixed == b.fixed == {"B": 1, "S": 1} and a.at(**pa) == b.at(**pb)
     # a child that fails sends nothing: the point is traced here
-    monkeypatch.setattr(R, "_portable", lambda report: 1 / 0)
+    monkeypatch.setattr(E, "_portable", lambda report: 1 / 0)
     got, pt = report(True).for_point(at)
     assert got.at(**pt) == want
     # a child nobody asks for is stopped and reaped with its analysis

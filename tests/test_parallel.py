@@ -496,7 +496,7 @@ def test_a_regime_past_a_guard_crosses_its_own_parity_conditions():
     """TP 8 + SP on a 1-layer Llama with 8 heads, traced at S = 29: the formulas hold for
     B <= 7 (a guard of the code path; past it, a regime traced at B = 11, S = 29), and S that 8
     divides is a side. A point past the guard at such an S (B = 16, S = 64) crosses the regime's
-    own conditions on residues, once, when first asked (Report._across), and is answered from
+    own conditions on residues, once, when first asked (memsim.analysis.explore.across), and is answered from
     formulas: equal to the analysis traced at those fixed sizes."""
     tp = TensorParallel(8, sequence_parallel=True)
     report = _predict(_llama_8_heads, LM, tp=tp)

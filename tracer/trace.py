@@ -10,10 +10,6 @@
 
 from __future__ import annotations
 
-import os
-import pickle
-import signal
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -22,7 +18,8 @@ import torch
 
 from .config import StepConfig
 from .driver import Driver
-from . import fold, progress
+from . import fold
+from .fork import abandon, forked, joined
 from .errors import (DataDependentError, InputError, MemsimError, SpecializationError,
                      TraceError, UnsupportedOpError)
 from .previous import add_previous_step
@@ -266,7 +263,7 @@ def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
         except fold.CannotFold as e:
             unfolded = str(e)
         pending, child = child, None
-        b = _joined(pending)
+        b = joined(pending)
         if b is None:
             with fold.cut(model, stack, units + 1):
                 b = _traced(model, specs, constants, config, hint_map, **kw)
@@ -285,25 +282,9 @@ def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
     except MemsimError as e:
         reason = f"a cut run failed: {e.message}"
     finally:
-        _abandon(child)
+        abandon(child)
     t = _traced(model, specs, constants, config, hint_map, **kw)
     return replace(t, folded=Folding(stack, traced, reason))
-
-
-def _parallel() -> bool:
-    """Whether a run may be traced in a forked process beside this one: Linux (fork is the
-    platform's own way there; macOS and Windows have none that is safe with torch), a CPU for
-    this process and one for each child running (:func:`forked`), and not turned off
-    (``MEMSIM_PARALLEL=0``)."""
-    if os.environ.get("MEMSIM_PARALLEL", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        return len(os.sched_getaffinity(0)) >= 2 + len(_CHILDREN)
-    except (AttributeError, OSError):  # pragma: no cover
-        return False
-
-
-_CHILDREN: set[int] = set()   # the forked children running, by pid
 
 
 def _fork_traced(model, stack, units, specs, constants, config, hint_map, **kw):
@@ -318,81 +299,6 @@ def _fork_traced(model, stack, units, specs, constants, config, hint_map, **kw):
         with fold.cut(model, stack, units):
             return _traced(model, specs, constants, config, hint_map, **kw)
     return forked(run)
-
-
-def forked(fn: Callable[[], object]):
-    """Start ``fn()`` in a forked child (its own copy of every object), which sends its
-    result back pickled: ``(pid, pipe)`` for :func:`_joined` (or :func:`_abandon`), or None
-    where that is not possible here (:func:`_parallel`). The child forks no children of its
-    own (``MEMSIM_PARALLEL=0`` there) and prints no progress."""
-    if not _parallel():
-        return None
-    try:
-        r, w = os.pipe()
-        pid = os.fork()
-    except OSError:  # pragma: no cover - out of processes or memory
-        return None
-    if pid:
-        os.close(w)
-        _CHILDREN.add(pid)
-        return pid, r
-    status = 1
-    try:  # the child: never returns
-        os.close(r)
-        _die_with_parent()
-        os.environ["MEMSIM_PARALLEL"] = "0"
-        with progress.listening(None):
-            data = pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL)
-        with os.fdopen(w, "wb") as f:
-            f.write(data)
-        status = 0
-    except BaseException:  # noqa: BLE001 - the parent computes it again and raises there
-        pass
-    finally:
-        os._exit(status)
-
-
-def _die_with_parent() -> None:
-    """Linux: this (forked) process is killed when its parent ends, so that a child whose
-    answer is no longer wanted never outlives the command that started it."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not glibc
-        pass
-
-
-def _joined(child):
-    """What a :func:`forked` child sent, or None (none started, or it failed)."""
-    if child is None:
-        return None
-    pid, r = child
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    _CHILDREN.discard(pid)
-    if status != 0 or not data:
-        return None
-    try:
-        return pickle.loads(data)
-    except Exception:  # noqa: BLE001 - a truncated answer: the run is traced here instead
-        return None
-
-
-def _abandon(child) -> None:
-    """Stop and reap a :func:`forked` child whose result is no longer wanted (run A failed;
-    a point traced beside an analysis and never asked for): it would otherwise block on its
-    full pipe for the rest of this process."""
-    if child is None:
-        return
-    pid, r = child
-    os.close(r)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:  # pragma: no cover - it had already exited
-        pass
-    os.waitpid(pid, 0)
-    _CHILDREN.discard(pid)
 
 
 def _traced(model, specs, constants, config, hint_map, *, train, transform, driver,
@@ -506,14 +412,14 @@ def _validity(shape_env, table, to_user, limits, specialized=()):
     conditions = []
     for g in shape_env.guards:
         e = g.expr.xreplace(to_user)
-        if e is sympy.true or (len(e.free_symbols) == 1 and _is_bound(e)):
+        if e is sympy.true or (len(e.free_symbols) == 1 and is_bound(e)):
             continue  # single-symbol bounds are already in var_to_range
         conditions.append(e)
     conditions = list(dict.fromkeys(conditions))
     return ranges, [str(c) for c in conditions], conditions
 
 
-def _is_bound(rel) -> bool:
+def is_bound(rel) -> bool:
     """``S <= 1024``, ``2*B > 3``: an inequality between polynomials."""
     return isinstance(rel, (sympy.LessThan, sympy.StrictLessThan, sympy.GreaterThan,
                             sympy.StrictGreaterThan)) and all(
