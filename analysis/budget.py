@@ -170,7 +170,7 @@ class Budget:
     max_seq_no_release: int | None = None
 
 
-class _Model:
+class TotalModel:
     """``total(point)`` for one report and step, exact and fast (integer arithmetic)."""
 
     def __init__(self, report, step: str, overheads: Overheads, family: str,
@@ -254,7 +254,7 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
     overheads = overheads or Overheads()
     step_name = "train" if report.train is not None else "inference"
     usable = int(capacity * (1 - margin))
-    model = _Model(report, step_name, overheads, _family(gpu), usable)
+    model = TotalModel(report, step_name, overheads, _family(gpu), usable)
     point = dict(point or {})
     notes: list[str] = []
     missing = [n for n in report.symbols if n not in point]
@@ -270,7 +270,7 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
         notes.extend(_replay_notes(r, overheads, model.limit, margin))
         if r is not None and (r.retries or r.oom is not None):
             # what the cache takes where it may grow to the whole card
-            whole = _Model(report, step_name, overheads, _family(gpu), capacity)
+            whole = TotalModel(report, step_name, overheads, _family(gpu), capacity)
             card = whole.replayed(point)
             if card is not None and card.oom is None:
                 notes.append(f"on the whole card (no margin kept free) the caching allocator "
@@ -288,12 +288,12 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
                          if r is not None and r.oom is None else None),
                reserved_card=(card.reserved if card is not None and card.oom is None else None))
     memo: dict[str, dict] = {batch: {}, seq: {}}
-    b.max_batch = _solve(model, report, point, batch, usable, notes, memo=memo[batch])
-    b.max_seq = _solve(model, report, point, seq, usable, notes, memo=memo[seq])
+    b.max_batch = largest_fitting(model, report, point, batch, usable, notes, memo=memo[batch])
+    b.max_seq = largest_fitting(model, report, point, seq, usable, notes, memo=memo[seq])
     if r is not None:   # replayed: where the cache needs no release, every step runs alike
-        b.max_batch_no_release = _solve(model, report, point, batch, usable, [], True,
+        b.max_batch_no_release = largest_fitting(model, report, point, batch, usable, [], True,
                                         memo[batch])
-        b.max_seq_no_release = _solve(model, report, point, seq, usable, [], True, memo[seq])
+        b.max_seq_no_release = largest_fitting(model, report, point, seq, usable, [], True, memo[seq])
         for name, full, clean in ((batch, b.max_batch, b.max_batch_no_release),
                                   (seq, b.max_seq, b.max_seq_no_release)):
             if full and clean is not None and full - clean >= 2:
@@ -321,7 +321,7 @@ def cache_fraction(report, point: dict[str, int], *, overheads: Overheads | None
         return 0.0
     ov = overheads or Overheads()
     step = "train" if report.train is not None else "inference"
-    m = _Model(report, step, ov, family, None)
+    m = TotalModel(report, step, ov, family, None)
     alloc = m.allocated(point)
     over = m.overhead(alloc, point)
     return (over["allocator_cache"] + over["fragmentation"]) / alloc if alloc else 0.0
@@ -353,7 +353,7 @@ def _replay_notes(r: Reserved | None, overheads: Overheads, limit: int | None,
     return out
 
 
-def _solve(model: _Model, report, point: dict, name: str, usable: int, notes: list,
+def largest_fitting(model: TotalModel, report, point: dict, name: str, usable: int, notes: list,
            no_release: bool = False, memo: dict | None = None):
     """Largest integer value of symbol ``name`` whose total fits ``usable`` (others fixed);
     ``no_release``: and whose replay never releases the allocator's cache. ``memo`` keeps what
@@ -419,7 +419,7 @@ def sweep(report, point: dict[str, int], *, gpu: GPU | None = None, capacity: in
         return [], [], []
     capacity = gpu.bytes if (capacity is None and gpu is not None) else capacity
     step_name = "train" if report.train is not None else "inference"
-    model = _Model(report, step_name, overheads or Overheads(), _family(gpu),
+    model = TotalModel(report, step_name, overheads or Overheads(), _family(gpu),
                    None if capacity is None else int(capacity * (1 - margin)))
     s_lo, s_hi = report.extent.get(seq, (2, None))
     seqs = [s for s in seqs if s >= s_lo and (s_hi is None or s <= s_hi)]

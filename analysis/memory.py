@@ -125,7 +125,7 @@ class StepMemory:
         subs = self.check_point(point)
         cand = self.winner(point)
         run = self.trace.run
-        live = _live_at(run, cand.event + 1)
+        live = live_at(run, cand.event + 1)
         out = {c.value: 0 for c in Category}
         for sid in live:
             s = run.storages[sid]
@@ -140,7 +140,9 @@ class StepMemory:
         return regime_changes(self.candidates, self.trace.symbols[sym], subs, lo, hi)
 
 
-def _label(trace: Trace):
+def peak_point_of(trace: Trace):
+    """``label(i) -> PeakPoint``: where event ``i`` of ``trace``'s run happens (its op, phase
+    and module)."""
     run = trace.run
 
     def label(i: int) -> PeakPoint:
@@ -172,7 +174,7 @@ def peak_candidates(trace: Trace, *, skip=frozenset(), until: int | None = None,
              for s, c in zip(run.storages, charge)]
     evs = [(e.sign, e.sid) for e in run.events[:until]]
     lows = {n: r[0] for n, r in trace.ranges.items()}
-    return prune(running_peaks(evs, sizes.__getitem__, basis, run.start, _label(trace)), syms,
+    return prune(running_peaks(evs, sizes.__getitem__, basis, run.start, peak_point_of(trace)), syms,
                  lows)
 
 
@@ -225,7 +227,7 @@ def edited_candidates(trace: Trace, *, keep=None, frees: dict | None = None,
             continue
         evs.append((e.sign, e.sid))
         where.append(i)
-    label = _label(trace)
+    label = peak_point_of(trace)
     lows = {nm: r[0] for nm, r in trace.ranges.items()}
     return prune(running_peaks(evs, sizes.__getitem__, basis, start,
                                lambda j: label(where[j] if 0 <= j < len(where) else j)),
@@ -241,8 +243,8 @@ def step_memory(trace: Trace) -> StepMemory:
     total = peak_candidates(trace, basis=basis, charge=charge)
     act = peak_candidates(trace, skip=MODEL_STATE, basis=basis, charge=charge)
 
-    end_live = _live_at(run, len(run.events))
-    start_live = _live_at(run, run.start)
+    end_live = live_at(run, len(run.events))
+    start_live = live_at(run, run.start)
 
     def total_of(cat: Category, live: set[int]) -> sympy.Expr:
         return sympy.Add(*[charge[s.sid] for s in run.storages
@@ -250,7 +252,7 @@ def step_memory(trace: Trace) -> StepMemory:
 
     saved = sympy.Integer(0)
     if Phase.LOSS in run.phase_ends:
-        at_bwd = _live_at(run, run.phase_ends[Phase.LOSS])
+        at_bwd = live_at(run, run.phase_ends[Phase.LOSS])
         saved = sympy.Add(*[charge[s.sid] for s in run.storages if s.sid in at_bwd and on_dev[s.sid]
                             and s.saved and s.category is Category.ACTIVATION])
     return StepMemory(
@@ -340,7 +342,7 @@ def depth_peak(step: StepMemory) -> DepthPeak | None:
         where.append(len(run.events))
     if run.start >= len(run.events):
         start = len(evs)
-    label = _label(replace(trace, run=run))
+    label = peak_point_of(replace(trace, run=run))
     cands = running_peaks(evs, sizes.__getitem__, basis, start,
                           lambda j: label(where[j] if 0 <= j < len(where) else j))
     lows = {n: r[0] for n, r in trace.ranges.items()}
@@ -361,7 +363,8 @@ def charged(s, device: str) -> sympy.Expr:
     return block_bytes(s.nbytes, device)
 
 
-def _live_at(run, upto: int) -> set[int]:
+def live_at(run, upto: int) -> set[int]:
+    """The storages live after the first ``upto`` events of ``run``."""
     live: set[int] = set()
     for ev in run.events[:upto]:
         (live.add if ev.sign > 0 else live.discard)(ev.sid)

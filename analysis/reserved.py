@@ -34,7 +34,7 @@ import sympy
 from memsim.tracer import Category, Phase
 
 from .caching import AllocConf, AllocatorOOM, CachingAllocator
-from .memory import _live_at
+from .memory import live_at
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
             last = figures()
             seen.add(now)
 
-    live0 = _live_at(run, run.start)
+    live0 = live_at(run, run.start)
     try:
         if run.warmed:  # warm-up steps traced: the measured step follows them in the run
             take(("ws",), workspace)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .budget import Overheads, _Model, _solve
+from .budget import Overheads, TotalModel, largest_fitting
 from .gpus import GPU
 
 
@@ -69,7 +69,7 @@ def curve(report, point: dict[str, int], symbol: str, *, label: str = "",
     step = "train" if report.train is not None else "inference"
     sizes = sizes or sizes_for(report, symbol, point)
     # no capacity for the curve itself: what each size would take, past any card's memory
-    model = _Model(report, step, overheads or Overheads(), gpu.family if gpu else "unknown")
+    model = TotalModel(report, step, overheads or Overheads(), gpu.family if gpu else "unknown")
     totals, allocated = [], []
     for v in sizes:
         pt = {**point, symbol: v}
@@ -83,6 +83,6 @@ def curve(report, point: dict[str, int], symbol: str, *, label: str = "",
     fits = {}
     for name, g in (capacities or {}).items():
         usable = int(g.bytes * (1 - margin))
-        m = _Model(report, step, overheads or Overheads(), g.family, usable)
-        fits[name] = _solve(m, report, point, symbol, usable, [])
+        m = TotalModel(report, step, overheads or Overheads(), g.family, usable)
+        fits[name] = largest_fitting(m, report, point, symbol, usable, [])
     return Curve(label, symbol, sizes, totals, allocated, regimes, fits)

@@ -20,7 +20,7 @@ from memsim.tracer import Category
 
 from .allocator import block_bytes_of
 from .caching import AllocConf
-from .memory import PeakPoint, _label, _live_at
+from .memory import PeakPoint, peak_point_of, live_at
 from .reserved import replay, sizes_at, timeline_edit, walk_events
 
 ADDED = "strategy buffers"   # storages a modelled strategy adds (DDP's buckets)
@@ -111,7 +111,7 @@ def timeline(report, point: dict[str, int], *, step: str | None = None,
         if b is not None:
             sums[cat_of(key)] -= b
 
-    for sid in sorted(_live_at(run, run.start)):
+    for sid in sorted(live_at(run, run.start)):
         take(("s", sid), raw[sid])
     for k, (n, at, _free) in enumerate(added):
         if at <= run.start:
@@ -134,11 +134,11 @@ def timeline(report, point: dict[str, int], *, step: str | None = None,
     start_total = sum(sums.get(c, 0) for c in cats) if n == 0 else None
     peak, peak_index = (max(totals), totals.index(max(totals))) if totals else (start_total, -1)
     series = {c: v for c, v in series.items() if any(v)}
-    where = _label(trace)(snapshots[peak_index] if peak_index >= 0 else -1)
+    where = peak_point_of(trace)(snapshots[peak_index] if peak_index >= 0 else -1)
 
     # what is live at the peak, by the module that made it and its category
     groups: dict[tuple, list] = {}
-    at = _live_at(run, snapshots[peak_index] + 1 if peak_index >= 0 else run.start)
+    at = live_at(run, snapshots[peak_index] + 1 if peak_index >= 0 else run.start)
     for sid in at:
         b = charged[sid]
         if not b or (keep is not None and not keep(run.storages[sid], 1)):

@@ -1,6 +1,6 @@
 """Near the largest size that fits, whether a size fits is not monotone in the size.
 
-The budget's largest batch and sequence (``analysis/budget.py``, ``_solve``) are found by
+The budget's largest batch and sequence (``analysis/budget.py``, ``largest_fitting``) are found by
 exponential search and bisection over the total, which assumes that a size fits when a larger
 one does. The allocated peak grows with the size; but on CUDA the verdict is the caching
 allocator's replay confined to the budget (``analysis/reserved.py``), and near the limit that
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import scale  # noqa: E402  (this folder: the models' configs)
-from memsim.analysis.budget import Overheads, _Model, plan  # noqa: E402
+from memsim.analysis.budget import Overheads, TotalModel, plan  # noqa: E402
 from memsim.analysis.gpus import gpu  # noqa: E402
 from memsim.strategies import FSDP  # noqa: E402
 from memsim.strategies.api import analyze  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> None:
     print(f"solver at B=2 on {card.name}: largest S that fits {b.max_seq}, without a release "
           f"of the cache {b.max_seq_no_release}")
     usable = int(card.bytes * 0.9)
-    m = _Model(report, "train", Overheads(), card.family, usable)
+    m = TotalModel(report, "train", Overheads(), card.family, usable)
     fails = []
     print("S      fits  releases  request it could not place")
     for s in range(b.max_seq - args.below, b.max_seq + 2):

@@ -195,8 +195,8 @@ MUTATIONS: list[Mutation] = [
              "an untied lm_head is not treated as a head: QLoRA quantizes it"),
     # budget and checkpoint plans
     Mutation("budget-max-batch-against-capacity", "analysis/budget.py",
-             "b.max_batch = _solve(model, report, point, batch, usable, notes, memo=memo[batch])",
-             "b.max_batch = _solve(model, report, point, batch, capacity, notes, "
+             "b.max_batch = largest_fitting(model, report, point, batch, usable, notes, memo=memo[batch])",
+             "b.max_batch = largest_fitting(model, report, point, batch, capacity, notes, "
              "memo=memo[batch])",
              ("tests/test_examples.py::test_largest_batch_equals_real_cpu_runs",),
              "the largest batch is solved against the whole capacity, not the usable part"),

@@ -265,7 +265,7 @@ def _file_option(args, option: str, point, suffixes=None, wrong: str = "unknown 
     path = getattr(args, option, None)
     if not path:
         return False
-    from .plots import FORMATS, _pyplot
+    from .plots import FORMATS, pyplot
     suffixes = suffixes or FORMATS
     if not path.lower().endswith(suffixes):
         raise UsageError(f"--{option} {path}: {wrong}",
@@ -273,7 +273,7 @@ def _file_option(args, option: str, point, suffixes=None, wrong: str = "unknown 
     if point is None:
         raise UsageError(f"--{option} needs a point", hint="give --at with every symbol, e.g. "
                                                              "--at B=4,S=2048")
-    _pyplot()
+    pyplot()
     return True
 
 

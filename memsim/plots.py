@@ -24,7 +24,7 @@ LABELS = {"optimizer_state": "optimizer states", "parameter": "parameters",
 FORMATS = (".png", ".svg", ".pdf", ".html")
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError:
@@ -48,7 +48,7 @@ def _point(tl) -> str:
 
 def timeline_figure(tl):
     """A matplotlib Figure of :class:`memsim.analysis.timeline.Timeline` ``tl``."""
-    plt = _pyplot()
+    plt = pyplot()
     div, unit = _unit(max(tl.peak, max(tl.reserved or [0])))
     fig, ax = plt.subplots(figsize=(13, 5.5), layout="constrained")
     x = list(range(len(tl.ops)))
@@ -104,7 +104,7 @@ def _at_peak_table(tl, heading: str) -> str:
 def timeline_html(tl, title: str = "memsim timeline") -> str:
     """One self-contained HTML page: the picture (inline SVG), what is live at the peak and
     the phases."""
-    plt = _pyplot()
+    plt = pyplot()
     fig = timeline_figure(tl)
     svg = svg_of(fig)
     plt.close(fig)
@@ -142,7 +142,7 @@ def scaling_figure(curves: dict, capacities: dict, margin: float):
     """Total against each symbol (a subplot per symbol), one line per configuration, each
     capacity's usable memory as a horizontal line, the largest fitting size of each
     configuration marked on it, and where the peak's regime changes."""
-    plt = _pyplot()
+    plt = pyplot()
     syms = list(curves)
     fig, axes = plt.subplots(1, len(syms), figsize=(6.5 * len(syms), 5), layout="constrained",
                              squeeze=False)
@@ -183,7 +183,7 @@ def scaling_figure(curves: dict, capacities: dict, margin: float):
 
 def save_figure(fig, path: str) -> Path:
     """Write a figure to .png/.svg/.pdf, or an .html page holding it as inline SVG."""
-    plt = _pyplot()
+    plt = pyplot()
     p = Path(path)
     if p.suffix.lower() not in FORMATS:
         raise UsageError(f"cannot write a picture to {path!r}",
@@ -221,7 +221,7 @@ def report_html(title: str, text: str, tl=None, scaling=None, budget=None) -> st
     """One self-contained page (no external resource): the verdict, the timeline and the
     memory-against-size pictures as inline SVG, what is live at the peak by module, and the
     full text report (every table, the approximate and the exact formulas, the notes)."""
-    plt = _pyplot()
+    plt = pyplot()
     parts = []
     if budget is not None:
         verdict = "FITS" if budget.fits else "DOES NOT FIT"
