@@ -8,7 +8,7 @@ Llama-3.1-405B configs built on the meta device (no weights). Run on demand (not
 Every measurement is a process of its own: wall time from start to exit (imports included) and
 its peak RSS; each child keeps the cycle collector off until its model is built, then freezes
 what exists (``gc.freeze``), and leaves with ``os._exit`` once its answer is printed, as the
-``memsim`` command does (``memsim.entry.own_process``, ``settle``, ``script``); the same for
+``memsim`` command does (``memsim.process.own_process`` and ``settle``, ``memsim.entry.script``); the same for
 both sides. Both sides model the same step on the CPU (the peer's kernels): SGD with momentum
 (MemTracker under a plain FakeTensorMode cannot take AdamW's ``.item()``), the training step
 only, the peak of the second step.
@@ -83,11 +83,11 @@ def points(name: str) -> list[tuple[int, int]]:
 # -- the children -------------------------------------------------------------------------------
 def child_memsim(name: str, strategy: str) -> dict:
     sys.path.insert(0, ROOT)
-    from memsim.entry import settle
+    from memsim.process import settle
     from memsim.strategies import FSDP, ZeRO
     from memsim.strategies.api import analyze
     model = build(name)
-    settle()    # memsim.entry.settle, as the command does once its model is built
+    settle()    # memsim.process.settle, as the command does once its model is built
     kw = {"fsdp": dict(fsdp=FSDP(8)), "zero3": dict(zero=ZeRO(3, dp=8))}.get(strategy, {})
     t0 = time.perf_counter()
     report = analyze(model, {"input_ids": ("int64", ["B", "S"]),
@@ -109,11 +109,11 @@ def child_peer(name: str, b: int, s: int) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from memsim.entry import settle
+    from memsim.process import settle
     t0 = time.perf_counter()
     with FakeTensorMode():
         model = build(name, meta=False)
-        settle()    # memsim.entry.settle, as for memsim's side
+        settle()    # memsim.process.settle, as for memsim's side
         opt = sgd(model.parameters())
         mt = MemTracker()
         mt.track_external(model, opt)
@@ -163,7 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         sys.path.insert(0, ROOT)
-        from memsim.entry import own_process
+        from memsim.process import own_process
         own_process()   # as the memsim command runs, for both sides: see settle() below
         kind, name, *rest = args.child
         got = child_memsim(name, rest[0] if rest else "") if kind == "memsim" else \

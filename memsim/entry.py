@@ -21,7 +21,6 @@ The cache lives where the platform keeps caches (``$XDG_CACHE_HOME/memsim`` or
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import io
 import json
@@ -233,30 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-_OWNED = False   # this process is the command's own (script), not a caller's
-
-
-def own_process() -> None:
-    """Say that this process is the command's own (:func:`script`; ``benchmarks/scale.py``'s
-    children, which measure as the command runs): the cycle collector is off until
-    :func:`settle`."""
-    import memsim.entry as this   # the module cli imports, also under python -m
-    this._OWNED = True
-    gc.disable()
-
-
-def settle() -> None:
-    """Called once the command's model is built. In the command's own process, what exists by
-    then (torch, the libraries, the model: most of the heap, and none of it garbage) leaves the
-    cycle collector's view (``gc.freeze``), which :func:`script` kept off until then: a full
-    collection otherwise walks it again each time the trace has allocated enough (11 times,
-    1.7 s, in a Llama-2-7B analysis with its B=1 retrace). Anywhere else (a caller's process,
-    the tests), nothing."""
-    if _OWNED:
-        gc.freeze()
-        gc.enable()
-
-
 def script() -> None:
     """The ``memsim`` console script: :func:`main`, then out of the process without tearing its
     heap down object by object (about 1 s after a 7B analysis; ``benchmarks/scale.py``).
@@ -264,6 +239,7 @@ def script() -> None:
     flushed here. An exception or ``SystemExit`` (a usage error) leaves the usual way. The
     cycle collector is off while torch and the model are imported and built (see
     :func:`settle`)."""
+    from .process import own_process
     own_process()
     rc = main()
     for stream in (sys.stdout, sys.stderr):

@@ -103,14 +103,16 @@ def test_settle_freezes_the_heap_only_in_the_commands_own_process(monkeypatch):
     """``settle`` (called once the model is built) turns the cycle collector back on over a
     frozen heap in the command's process only; in a caller's process it changes nothing."""
     import gc
-    assert not entry._OWNED and gc.isenabled()
+
+    from memsim import process
+    assert not process._OWNED and gc.isenabled()
     before = gc.get_freeze_count()
-    entry.settle()
+    process.settle()
     assert gc.get_freeze_count() == before and gc.isenabled()
-    monkeypatch.setattr(entry, "_OWNED", True)
+    monkeypatch.setattr(process, "_OWNED", True)
     gc.disable()
     try:
-        entry.settle()
+        process.settle()
         assert gc.isenabled() and gc.get_freeze_count() > before
     finally:
         gc.unfreeze()

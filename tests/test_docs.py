@@ -208,8 +208,8 @@ def flags(words: list[str]) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def memsim_parser():
-    from memsim import cli
-    return cli._parser()
+    from memsim import options
+    return options.parser()
 
 
 def subparser(sub: str):
@@ -220,17 +220,10 @@ def subparser(sub: str):
 
 
 def joined_configs(argv: list[str]) -> list[str]:
-    """``memsim compare``'s ``--config VALUE`` as ``memsim.cli.run`` joins it (a value may
+    """``memsim compare``'s ``--config VALUE`` as the command line joins it (a value may
     itself start with ``--``)."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[0:1] == ["compare"] and argv[i] == "--config" and i + 1 < len(argv):
-            out.append(f"--config={argv[i + 1]}")
-            i += 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out
+    from memsim.options import join_configs
+    return join_configs(argv)
 
 
 def check_target(target: str, where: str) -> None:
@@ -244,7 +237,7 @@ def check_target(target: str, where: str) -> None:
 
 
 def check_memsim_static(words: list[str], where: str) -> None:
-    from memsim import cli
+    from memsim import options
     from memsim.analysis.gpus import gpu
     argv = joined_configs(words[1:])
     try:
@@ -256,7 +249,7 @@ def check_memsim_static(words: list[str], where: str) -> None:
     if getattr(args, "gpu", None):
         gpu(args.gpu)           # an unknown name raises, listing the known ones
     for text in getattr(args, "configs", []) or []:
-        cli._config_args(args, text)    # parses without tracing; raises UsageError
+        options.config_args(args, text)    # parses without tracing; raises UsageError
 
 
 def run_memsim(words: list[str], scratch: Path) -> subprocess.CompletedProcess:

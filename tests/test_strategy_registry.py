@@ -122,11 +122,11 @@ def test_unknown_keyword_names_strategies_and_step_options():
 def test_step_options_come_from_the_fields():
     """Every StepConfig field with a command-line option has its flag on every subcommand
     that traces; the hash covers every field (a field left out of it would collide)."""
-    from memsim.cli import _parser
+    from memsim.options import parser
     flags = [opt.flag for _, opt, _ in StepConfig.cli_options()]
     assert {"--device", "--precision", "--optimizer", "--drop-outputs", "--accumulate",
             "--compiled", "--hint", "--no-fold", "--cpu-isa"} == set(flags)
-    args = _parser().parse_args(["analyze"] + MLP + ["--drop-outputs", "--no-fold",
+    args = parser().parse_args(["analyze"] + MLP + ["--drop-outputs", "--no-fold",
                                                       "--hint", "B=3"])
     cfg = StepConfig(**StepConfig.from_options(args))
     assert cfg == StepConfig(device="cpu", loop="dropped", fold=False, hints={"B": 3})
