@@ -180,7 +180,7 @@ def _execute(args, prep: dict, fit: bool = False):
 # the budget are the same for every configuration
 def _compare(args) -> int:
     """``memsim compare``: the training step of each configuration side by side."""
-    from .render import compare_json, compare_text
+    from .render_compare import compare_json, compare_text
     if not args.configs:
         raise UsageError("memsim compare needs --config", hint="e.g. --config \"--fsdp --dp 8\" "
                          "--config \"--zero 3 --dp 8\"")
@@ -204,9 +204,9 @@ def _compare(args) -> int:
         write_plot(args, [(r["config"] or "(the common options)", r["report"], r["full_point"])
                            for r in rows if r["error"] is None], prepared[0][2]["setup"])
     if args.json:
-        print(json.dumps(compare_json(rows, args), indent=2))
+        print(json.dumps(compare_json(rows, args.gpu, args.memory), indent=2))
     else:
-        print(compare_text(rows, args))
+        print(compare_text(rows, args.inference, args.gpu or args.memory, args.margin))
     return 2 if any(r["error"] is not None for r in rows) else 0
 
 
@@ -214,7 +214,7 @@ def _checkpoint(args) -> int:
     from memsim.analysis.gpus import parse_memory
 
     from memsim.strategies import checkpoint as ck
-    from .render import checkpoint_json, checkpoint_text
+    from .render_checkpoint import checkpoint_json, checkpoint_text
 
     if not args.input:
         raise UsageError("no --input given", hint="e.g. --input input_ids=int64[B,S]")
@@ -272,7 +272,7 @@ def _checkpoint(args) -> int:
     else:
         text = checkpoint_text(base, result, rank, point, budget, args.plan, top=args.top)
         if bands is not None:
-            from .render import bands_text
+            from .render_checkpoint import bands_text
             text += "\n\n" + bands_text(bands, rng, budget, len(ck.blocks(model)))
         print(text)
     return 0 if result is not None else 1
