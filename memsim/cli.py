@@ -213,18 +213,6 @@ def _compiled_hints(specs, point, hints):
     return None
 
 
-def _shard_dims(given) -> tuple[tuple[str, int], ...]:
-    """``--fsdp-shard-dim PATTERN=DIM`` options as :attr:`FSDP.shard_dims` pairs."""
-    out = []
-    for text in given:
-        pattern, eq, dim = text.rpartition("=")
-        if not eq or not pattern or not dim.strip().isdigit():
-            raise UsageError(f"--fsdp-shard-dim {text!r} is not PATTERN=DIM",
-                             hint="e.g. --fsdp-shard-dim '*.experts.*=1'")
-        out.append((pattern, int(dim)))
-    return tuple(out)
-
-
 def _budget_setup(args, point):
     """Check the budget options before the (slow) trace: ``(gpu, capacity, overheads)`` or
     None when no budget is asked for."""
