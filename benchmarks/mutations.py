@@ -162,7 +162,7 @@ MUTATIONS: list[Mutation] = [
              "opt_at = run.phase_ends.get(Phase.FORWARD) if trace.train else None", (STEADY,),
              "the lazily made optimizer state is taken at the end of forward"),
     # strategies
-    Mutation("sequence-parallel-shards-hidden", "strategies/parallel.py",
+    Mutation("sequence-parallel-shards-hidden", "strategies/tp.py",
              "sequence_dim: int = 1", "sequence_dim: int = 2",
              ("tests/test_parallel.py::test_sequence_parallel_llama_matches_real_gloo_run",),
              "sequence parallelism shards the hidden dimension"),

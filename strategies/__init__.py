@@ -3,9 +3,10 @@
 Each strategy is a value with one interface (:mod:`~memsim.strategies.base`: validate,
 describe, apply) and one file: :mod:`~memsim.strategies.lora` (LoRA, QLoRA),
 :mod:`~memsim.strategies.checkpoint` (activation checkpointing and the search for the best
-plan), :mod:`~memsim.strategies.parallel` (tensor parallelism and FSDP2 with PyTorch's own code),
-:mod:`~memsim.strategies.zero` (DeepSpeed ZeRO with DeepSpeed's own engine,
-:mod:`~memsim.strategies.ds_engine`), :mod:`~memsim.strategies.ddp` (DDP's buckets).
+plan), :mod:`~memsim.strategies.tp` (tensor parallelism) and :mod:`~memsim.strategies.fsdp`
+(FSDP2), both with PyTorch's own code on the fake process group of
+:mod:`~memsim.strategies.mesh`, :mod:`~memsim.strategies.zero` (DeepSpeed ZeRO with DeepSpeed's
+own engine, :mod:`~memsim.strategies.ds_engine`), :mod:`~memsim.strategies.ddp` (DDP's buckets).
 :func:`analyze` composes them (:mod:`~memsim.strategies.api`).
 
 >>> from memsim.strategies import FSDP, LoRA, TensorParallel, ZeRO, DDP
@@ -18,7 +19,8 @@ from .base import (Plan, Strategy, StrategyReport, register_strategy, registered
                    summary_order)
 from .lora import LoRA, QLoRA, apply_lora, apply_qlora
 from .checkpoint import Checkpoint
-from .parallel import FSDP, TensorParallel
+from .tp import TensorParallel
+from .fsdp import FSDP
 from .zero import ZeRO
 from .ddp import DDP
 from .api import (add_strategy_options, analyze, given_strategies, strategies_from_options,

@@ -265,7 +265,7 @@ class DeepSpeedDriver(Driver):
     def setup(self, model, params, optimizer):
         import deepspeed
 
-        from .parallel import process_group
+        from .mesh import process_group
 
         process_group(self.world, self.rank)
         deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,

@@ -12,7 +12,7 @@ from conftest import example
 from memsim.strategies import DDP, FSDP, LoRA, TensorParallel
 from memsim.strategies.api import analyze
 from memsim.render import strategy_text
-from memsim.strategies.parallel import tp_plan
+from memsim.strategies.tp import tp_plan
 from memsim.tracer import StrategyError
 from oracle import figures
 
@@ -128,7 +128,7 @@ def test_fsdp2_padding_note_names_the_option_that_avoids_it():
     split); the note says so and names the option, which then leaves no note."""
     with torch.device("meta"):
         m = _mixtral(experts=8)
-    from memsim.strategies.parallel import padding_note
+    from memsim.strategies.fsdp import padding_note
     text = padding_note(m, FSDP(16), None)
     assert "fewer rows than the 16 ranks" in text, text
     assert "--fsdp-shard-dim 'model.layers.*.mlp.experts.*=1'" in text, text
@@ -551,7 +551,7 @@ def test_rank_classes_work_out_each_kind_of_parameter_once_per_place_on_the_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import _utils as U
 
-    from memsim.strategies import parallel as P
+    from memsim.strategies import mesh as M
 
     real = U._compute_local_shape_and_global_offset
     calls = []
@@ -566,15 +566,15 @@ def test_rank_classes_work_out_each_kind_of_parameter_once_per_place_on_the_mesh
     for layers in (2, 6):
         with torch.device("meta"):
             m = O.llama_model(layers=layers, vocab=130)
-        P._CLASSES.clear()
+        M._CLASSES.clear()
         calls.clear()
-        classes.append(P.rank_classes(m, fsdp, tp))
+        classes.append(M.rank_classes(m, fsdp, tp))
         counts.append(len(calls))
         # the same grouping, every parameter of every rank reckoned on its own
         with torch.device("meta"):
             c = O.llama_model(layers=layers, vocab=130)
-        P.transform(fsdp, tp)(c)
-        root = P._mesh(3, 2)[2]
+        M.transform(fsdp, tp)(c)
+        root = M._mesh(3, 2)[2]
         groups: dict = {}
         for r in range(root.size()):
             where = dict(zip(root.mesh_dim_names, (root.mesh == r).nonzero()[0].tolist()))
@@ -791,7 +791,7 @@ def _pytorch_simulation(mp, b, s):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from memsim.strategies.parallel import process_group
+    from memsim.strategies.mesh import process_group
     process_group(2)
     mesh = init_device_mesh("cpu", (2,))
     orig = adam_mod._get_value
@@ -872,7 +872,7 @@ def test_fsdp2_fp32_reduce_matches_real_gloo_run():
 def test_fsdp_on_cuda_says_what_is_modelled():
     """--device cuda traces FSDP2's CPU code path, which frees the same buffers in PyTorch 2.13;
     the output says so, and that it was not measured on a GPU."""
-    from memsim.strategies.parallel import CUDA_FSDP_NOTE
+    from memsim.strategies.fsdp import CUDA_FSDP_NOTE
     with torch.device("meta"):
         m = O.mlp_model()
     gpu = analyze(m, MLP, device="cuda", inference=False, fsdp=FSDP(2))
