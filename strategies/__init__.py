@@ -18,6 +18,7 @@ from .base import Plan, Strategy, StrategyReport, register_strategy, registered_
 from .lora import LoRA, QLoRA, apply_lora, apply_qlora
 from .checkpoint import Checkpoint
 from .parallel import FSDP, TensorParallel
+from . import parallel_errors  # noqa: F401  (explains FSDP2's and TP's failures in a trace)
 from .zero import ZeRO
 from .ddp import DDP
 from .api import analyze, given_strategies, world_size
