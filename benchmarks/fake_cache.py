@@ -1,4 +1,4 @@
-"""Benchmark: PyTorch's cache of fake kernels' results (``memsim.tracer.step.FAKE_CACHE``),
+"""Benchmark: PyTorch's cache of fake kernels' results (``memsim.tracer.fake_cache.FAKE_CACHE``),
 on and off, for one analysis each (same process, the model built once). Run on demand:
 
     python benchmarks/fake_cache.py [--deepspeed] [--repeat N]
@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import memsim.tracer.step as step
+    import memsim.tracer.fake_cache as fake_cache
     from memsim.strategies.api import analyze
 
     warm, inputs, kw, _ = cases(False)["llama-2x32-fsdp2"]()
@@ -78,14 +78,14 @@ def main() -> None:
         model, inputs, kw, point = make()
         secs, figures, info = {True: [], False: []}, [], None
         for on in (False, True) * args.repeat:
-            step.FAKE_CACHE = on
+            fake_cache.FAKE_CACHE = on
             FakeTensorMode.cache_clear()
             t0 = time.perf_counter()
             rep = analyze(model, inputs, device="cpu", inference=False, explore=False, **kw)
             secs[on].append(time.perf_counter() - t0)
             info = FakeTensorMode.cache_info() if on else info
             figures.append(rep.at(**point)["train"])
-        step.FAKE_CACHE = None
+        fake_cache.FAKE_CACHE = None
         same = all(f == figures[0] for f in figures)
         print(f"{name}  cache off {min(secs[False]):.1f} s  cache on {min(secs[True]):.1f} s "
               f"({info.hits} hits, {info.misses} misses)  "

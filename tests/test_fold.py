@@ -9,7 +9,7 @@ import transformers
 
 from memsim.strategies import DDP, FSDP, LoRA, TensorParallel
 from memsim.strategies.api import analyze
-from memsim.tracer import fold, trace
+from memsim.tracer import fold, fold_stack, trace
 from memsim.tracer.hf import adapt
 
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
@@ -20,7 +20,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
 @pytest.fixture(autouse=True)
 def _fold_small_stacks(monkeypatch):
     """Tiny stacks fold too (the default threshold is for speed, not correctness)."""
-    monkeypatch.setattr(fold, "MIN_UNITS", 6)
+    monkeypatch.setattr(fold_stack, "MIN_UNITS", 6)
 
 
 def _model(cls, cfg):
@@ -84,20 +84,21 @@ def test_folded_under_autocast():
 
 def test_pattern_of_the_stack():
     """Blocks, a unit of two alternating blocks, a prefix of distinct ones."""
-    assert fold.find_stack(FAMILIES["llama"]()) == fold.Stack("model.layers", 7, 0, 1)
-    assert fold.find_stack(FAMILIES["gemma2-alternating"]()) == \
-        fold.Stack("model.layers", 12, 0, 2)
-    assert fold.find_stack(FAMILIES["qwen2-window"]()) == fold.Stack("model.layers", 8, 2, 1)
+    assert fold_stack.find_stack(FAMILIES["llama"]()) == fold_stack.Stack("model.layers", 7, 0, 1)
+    assert fold_stack.find_stack(FAMILIES["gemma2-alternating"]()) == \
+        fold_stack.Stack("model.layers", 12, 0, 2)
+    assert fold_stack.find_stack(FAMILIES["qwen2-window"]()) == \
+        fold_stack.Stack("model.layers", 8, 2, 1)
     # too few blocks to gain anything
     short = _model(transformers.LlamaForCausalLM, transformers.LlamaConfig(
         num_hidden_layers=5, **SMALL))
-    assert fold.find_stack(short) is None
+    assert fold_stack.find_stack(short) is None
 
 
 def test_blocks_that_share_weights_are_not_folded():
     block = torch.nn.Linear(8, 8)
     model = torch.nn.Sequential(*[block] * 7)
-    assert fold.find_stack(model) is None
+    assert fold_stack.find_stack(model) is None
 
 
 def test_a_checkpoint_plan_on_some_blocks_is_seen():
@@ -109,9 +110,9 @@ def test_a_checkpoint_plan_on_some_blocks_is_seen():
     m = _model(transformers.LlamaForCausalLM, transformers.LlamaConfig(
         num_hidden_layers=12, **SMALL))
     with checkpointed(m, [f"model.layers.{i}" for i in range(0, 12, 2)]):
-        assert fold.find_stack(m) == fold.Stack("model.layers", 12, 0, 2)
+        assert fold_stack.find_stack(m) == fold_stack.Stack("model.layers", 12, 0, 2)
     with checkpointed(m, ["model.layers.0", "model.layers.1"]):
-        stack = fold.find_stack(m)
+        stack = fold_stack.find_stack(m)
         assert stack is None or stack.prefix >= 2
 
 
@@ -144,7 +145,7 @@ def test_a_library_loop_is_not_folded():
 
     with torch.device("meta"):
         stack = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(7)])
-    assert fold.find_stack(stack) is not None
+    assert fold_stack.find_stack(stack) is not None
     rep = analyze(stack, {"input": ("float32", ["B", 16])}, device="cpu", inference=False,
                   explore=False, zero=ZeRO(3, dp=2))
     assert rep.train.trace.folded is None

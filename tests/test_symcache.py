@@ -46,18 +46,18 @@ def test_the_trace_is_the_same_without_it(family, monkeypatch):
 
 def test_the_trace_is_the_same_with_pytorchs_fake_cache(monkeypatch):
     """A plain run is traced without PyTorch's cache of fake kernels' results (it is slower
-    there: memsim.tracer.step.FAKE_CACHE). With it (a driven run's), the run is the same,
+    there: memsim.tracer.fake_cache.FAKE_CACHE). With it (a driven run's), the run is the same,
     event for event: the sliding-window mask that CUDA's attention pads and slices is not
     cached (remade as ``empty_strided``, its storage's size was another expression, with a
     ``Max(1, ...)``, of the same value). The cache's keys add guards of their own (memory
     formats of symbolic strides): never fewer."""
-    from memsim.tracer import step
+    from memsim.tracer import fake_cache
     model = _model(transformers.MistralForCausalLM,
                    transformers.MistralConfig(sliding_window=4, **SMALL))
     patches, limits = adapt(model, LM)
     kw = dict(patches=patches, limits=limits, device="cuda", fold=False)
     without = trace(model, LM, **kw)
-    monkeypatch.setattr(step, "FAKE_CACHE", True)
+    monkeypatch.setattr(fake_cache, "FAKE_CACHE", True)
     hits = FakeTensorMode.cache_hits
     cached = trace(model, LM, **kw)
     assert FakeTensorMode.cache_hits > hits

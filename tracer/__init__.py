@@ -26,7 +26,8 @@ from .precision import Precision
 from .records import MODEL_STATE, Category, Event, LeafRecord, OpRecord, Phase, RunRecord, Storage
 from .spec import (TensorSpec, is_tensor_spec, make_spec, parse_assignments, parse_input,
                    symbol)
-from .step import LossFn, OptimizerFactory, default_loss
+from .optimizer_state import OptimizerFactory
+from .step import LossFn, default_loss
 from .trace import Trace, trace
 
 __all__ = [

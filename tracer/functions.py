@@ -187,7 +187,7 @@ def flex_attention_eager(device: str):
             hop.create_fw_bw_graph = create
 
 
-def _rnn_layout(params, has_biases, num_layers: int, bidirectional: bool):
+def rnn_layout(params, has_biases, num_layers: int, bidirectional: bool):
     """``(directions, weights per layer and direction)`` of ``_VF``'s flat weights, or None
     where they are not the plain layout (a projection: five per layer and direction)."""
     if not isinstance(has_biases, bool):  # a packed sequence: another overload
@@ -224,7 +224,7 @@ def _lstm_mkldnn(input, hx, params, has_biases, num_layers, dropout, train, bidi
     projection: left to PyTorch). Where the modelled CPU does not run oneDNN (another dtype,
     bf16 on a CPU without AVX-512), PyTorch's native kernel with oneDNN off: its C++ entry
     would ask the host's CPU instead."""
-    layout = _rnn_layout(params, has_biases, num_layers, bidirectional)
+    layout = rnn_layout(params, has_biases, num_layers, bidirectional)
     if layout is None or not isinstance(hx, (tuple, list)):
         return None
     if not _mkldnn_lstm_used(input, hx, params):
@@ -315,7 +315,7 @@ def _gru_cpu(input, hx, params, has_biases, num_layers, dropout, train, bidirect
              batch_first):
     """``aten::gru.input`` as its CPU path issues ATen ops, or None (a packed sequence: left to
     PyTorch)."""
-    layout = _rnn_layout(params, has_biases, num_layers, bidirectional)
+    layout = rnn_layout(params, has_biases, num_layers, bidirectional)
     if layout is None or not isinstance(hx, torch.Tensor):
         return None
     dirs, per = layout

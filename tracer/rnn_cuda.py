@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .functions import _rnn_layout
+from .functions import rnn_layout
 from .rules import Kind, rule
 
 # applied by memsim.tracer.functions.function_rules("cuda")
@@ -217,7 +217,7 @@ def _run(mode, input, hx, cx, params, has_biases, num_layers, train, bidirection
     """:class:`CudnnRnn` for this call, or None where cuDNN would not run or this is not
     modelled: cuDNN off, autocast on, no biases, a packed sequence or projection (another
     weight layout)."""
-    layout = _rnn_layout(params, has_biases, num_layers, bidirectional)
+    layout = rnn_layout(params, has_biases, num_layers, bidirectional)
     if layout is None or has_biases is not True or not torch.backends.cudnn.enabled \
             or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
         return None

@@ -18,7 +18,7 @@ import torch
 
 from .config import StepConfig
 from .driver import Driver
-from . import fold
+from . import fold, fold_stack
 from .fork import abandon, forked, joined
 from .errors import (DataDependentError, InputError, MemsimError, SpecializationError,
                      TraceError, UnsupportedOpError)
@@ -157,7 +157,7 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
     # a strategy's transform says which modules it treats one by one; a library's loop
     # (DeepSpeed's engine) fills buckets across blocks: not folded
     touched = () if transform is None else getattr(transform, "paths", None)
-    stack = fold.find_stack(model, touched) if (
+    stack = fold_stack.find_stack(model, touched) if (
         config.fold and not config.compiled and touched is not None
         and not (driver is not None and train)) else None
 
@@ -225,7 +225,7 @@ class Folding:
     reason : why the model was traced whole after all (None when folded).
     """
 
-    stack: fold.Stack
+    stack: fold_stack.Stack
     traced: tuple[int, int]
     reason: str | None = None
     # the run with one unit more than the first cut (equal to the second), and where the
@@ -247,11 +247,11 @@ class Folding:
 def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
     """A trace of ``model`` from two runs of its stack cut short (:mod:`memsim.tracer.fold`),
     or of the whole model where the runs do not repeat as the stack does."""
-    units = fold.TRACED_UNITS
+    units = fold_stack.TRACED_UNITS
     traced = (stack.layers(units), stack.layers(units + 1))
     child = _fork_traced(model, stack, units + 1, specs, constants, config, hint_map, **kw)
     try:
-        with fold.cut(model, stack, units):
+        with fold_stack.cut(model, stack, units):
             a = _traced(model, specs, constants, config, hint_map, **kw)
         # built from run A while the child (if any) still traces run B
         try:
@@ -260,12 +260,12 @@ def _folded(model, stack, specs, constants, config, hint_map, **kw) -> Trace:
             copies = tuple(folder.last_copies)
             run = folder.construct(stack.units - units)
             unfolded = None
-        except fold.CannotFold as e:
+        except fold_stack.CannotFold as e:
             unfolded = str(e)
         pending, child = child, None
         b = joined(pending)
         if b is None:
-            with fold.cut(model, stack, units + 1):
+            with fold_stack.cut(model, stack, units + 1):
                 b = _traced(model, specs, constants, config, hint_map, **kw)
         if (a.ranges, a.guards, a.hints) != (b.ranges, b.guards, b.hints):
             reason = "the cut runs take different code paths"
@@ -296,7 +296,7 @@ def _fork_traced(model, stack, units, specs, constants, config, hint_map, **kw):
     whose results do not depend on the other's either (tested: folded runs equal whole ones
     with and without the child)."""
     def run():
-        with fold.cut(model, stack, units):
+        with fold_stack.cut(model, stack, units):
             return _traced(model, specs, constants, config, hint_map, **kw)
     return forked(run)
 
