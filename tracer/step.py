@@ -452,7 +452,7 @@ def _outside_unit(err: BaseException, model, recorder: Recorder) -> MemsimError 
 # buffers at Llama-2-7B's widths: 84%, 26.4 s with against 32.7 s without) and a driven run
 # keeps it. A loop over time steps at fixed sizes hits it too (a fitted GRU: 78%, 12-13 s with
 # against 14-16 s without), which this rule does not see. ``True``/``False`` force it either way;
-# ``python benchmarks/fake_cache.py [--deepspeed]`` times them. Where it is on, an output whose
+# ``python -m benchmarks.fake_cache [--deepspeed]`` times them. Where it is on, an output whose
 # remade storage is not the kernel's to the expression is not cached (:func:`_faithful_fake_cache`)
 # and the run is the same event for event; the cache's keys add guards of their own
 # (tests/test_symcache.py).
@@ -741,7 +741,7 @@ DEEP_STACK = 1 << 30
 def _room_for_deep_graphs() -> None:
     """Let the main thread's stack grow where a long Python loop's autograd graph is freed.
 
-    A loop over 16,384 time steps (``tests/zoo.py``'s ``Scan``) makes a chain of as many
+    A loop over 16,384 time steps (``tests/support/zoo.py``'s ``Scan``) makes a chain of as many
     autograd nodes; under the symbolic run, releasing the step's output frees that chain
     recursively in C, which overflowed Linux's default 8 MiB stack: a segmentation fault at
     S = 16,384 where a real eager run frees the same graph. Linux checks a growing main-thread
