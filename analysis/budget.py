@@ -303,7 +303,7 @@ def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
 
 # where the replayed allocator releases its cache, its live blocks fall across segments
 # otherwise from one size to the next, and running out of memory is not monotone in the size
-# (python benchmarks/limit_band.py)
+# (python -m benchmarks.limit_band)
 _NOT_MONOTONE = (
     "{name}: from {first} to {full} the replayed allocator releases its cache at some "
     "sizes, where whether a size fits need not be monotone in the size (python "

@@ -181,7 +181,7 @@ def replay(step, point: dict[str, int], *, conf: AllocConf | None = None,
         the previous output takes two blocks in turn), at most :data:`STEADY_WALKS` steady
         walks in all (equal figures with blocks still moving can grow at a later walk). The previous
         step's output, alive into the next forward, moves blocks for a few steps
-        (``python benchmarks/replay_walks.py``)."""
+        (``python -m benchmarks.replay_walks``)."""
         last, seen = figures(), {layout()}
         for _ in range(STEADY_WALKS - 1):
             if record is not None:

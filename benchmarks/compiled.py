@@ -7,8 +7,8 @@ dynamic=False)`` AdamW step on CPU (``analysis.measure.measure_compiled_train``)
 for backward and the peak, with the gap. Run on demand (Inductor compiles C++ kernels; about
 5 minutes on 2 cores with a cold cache)::
 
-    python benchmarks/compiled.py [names...]     # mlp cnn block_softmax block_sdpa ...
-    python benchmarks/compiled.py --plan blocks tiny_gpt gpt2 llama   # with checkpointing
+    python -m benchmarks.compiled [names...]     # mlp cnn block_softmax block_sdpa ...
+    python -m benchmarks.compiled --plan blocks tiny_gpt gpt2 llama   # with checkpointing
 
 ``--plan NAME`` (a named plan of ``strategies.checkpoint``) checkpoints those modules in both
 the prediction and the real run (``torch.compile`` turns each region into recomputation).
@@ -17,19 +17,16 @@ HF models: ``model.loss_type`` is set, because transformers' fallback path logs 
 ``torch.compile(fullgraph=True)`` refuses (a graph break on ``logger.warning_once``).
 """
 
-import os
 import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from memsim.analysis import analyze
+from memsim.strategies.checkpoint import apply_checkpointing, checkpointed, named_plan
 
-import zoo  # noqa: E402
-from memsim.analysis import analyze  # noqa: E402
-from oracles.measure import example_inputs, materialize, measure_compiled_train  # noqa: E402
-from memsim.strategies.checkpoint import apply_checkpointing, checkpointed, named_plan  # noqa: E402
+from tests.support import zoo
+from tests.support.oracles.measure import example_inputs, materialize, measure_compiled_train
 
 
 def _lm(m):

@@ -17,24 +17,19 @@ Both steps model the CPU with SGD (as ``benchmarks/scale.py``'s children), train
 the point below the formulas' range. Run on demand (about 1.5 minutes on 2 cores; needs
 ``deepspeed``)::
 
-    python benchmarks/ds_floor.py
+    python -m benchmarks.ds_floor
 """
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+from memsim.strategies import ZeRO
+from memsim.strategies.api import analyze
+from memsim.tracer.records import OpRecord, Phase
 
-import scale  # noqa: E402  (this folder: the models' configs, SGD)
-from memsim.strategies import ZeRO  # noqa: E402
-from memsim.strategies.api import analyze  # noqa: E402
-from memsim.tracer.records import OpRecord, Phase  # noqa: E402
+from benchmarks import scale  # the models' configs, SGD
 
 
 def main() -> None:

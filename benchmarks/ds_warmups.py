@@ -12,7 +12,7 @@ walks the measured step R more times before the one it measures (``RunRecord.rep
 ``STEADY_WALKS``; the figures are the most over the walks). Run on demand (needs ``pip install deepspeed``;
 about a minute)::
 
-    python benchmarks/ds_warmups.py [--stage 3] [--layers 2] [--precision bf16-master]
+    python -m benchmarks.ds_warmups [--stage 3] [--layers 2] [--precision bf16-master]
                                     [--warmups 1+0,1+1,2+0,3+0,4+0]
 
 ``strategies/ds_engine.py`` quotes its output for stage 3, 2 layers, bf16-master.
@@ -21,18 +21,14 @@ about a minute)::
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from memsim.analysis.reserved import replay  # noqa: E402
-from memsim.strategies import ZeRO  # noqa: E402
-from memsim.strategies.api import analyze  # noqa: E402
-from memsim.strategies.ds_engine import DeepSpeedDriver  # noqa: E402
+from memsim.analysis.reserved import replay
+from memsim.strategies import ZeRO
+from memsim.strategies.api import analyze
+from memsim.strategies.ds_engine import DeepSpeedDriver
 
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
 POINTS = ((2, 512), (4, 2048))

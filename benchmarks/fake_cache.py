@@ -1,13 +1,13 @@
 """Benchmark: PyTorch's cache of fake kernels' results (``memsim.tracer.fake_cache.FAKE_CACHE``),
 on and off, for one analysis each (same process, the model built once). Run on demand:
 
-    python benchmarks/fake_cache.py [--deepspeed] [--repeat N]
+    python -m benchmarks.fake_cache [--deepspeed] [--repeat N]
 
 - Qwen3-Next (the test suite's small config, B and S symbolic, fp32 on the CPU): a plain run,
   whose ops miss the cache;
 - Llama with 2 blocks of 32 wide under FSDP2 over 2 ranks (a plain run under a strategy);
-- a GRU language model (``tests/zoo.py``) on the CPU, whose loop over time steps pins S: traced
-  at fixed sizes of S and fitted, the same ops again and again;
+- a GRU language model (``tests/support/zoo.py``) on the CPU, whose loop over time steps pins
+  S: traced at fixed sizes of S and fitted, the same ops again and again;
 - ``--deepspeed``: Llama-2-7B's config under DeepSpeed ZeRO-3 over 8 ranks (a driven run,
   about 30 s each way).
 
@@ -20,12 +20,7 @@ within one run.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests"), HERE]
 
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
 
@@ -36,7 +31,7 @@ def cases(deepspeed: bool):
     from memsim.strategies import FSDP, ZeRO
 
     def qwen3_next():
-        from test_hf import qwen3_next
+        from tests.support.hf_models import qwen3_next
         with torch.device("meta"):
             return qwen3_next(), LM, {}, {"B": 2, "S": 16}
 
@@ -48,12 +43,12 @@ def cases(deepspeed: bool):
         return m, LM, {"fsdp": FSDP(2)}, {"B": 2, "S": 16}
 
     def gru():
-        import zoo
+        from tests.support import zoo
         with torch.device("meta"):
             return zoo.GRULM(), {"x": ("int64", ["B", "S"])}, {}, {"B": 2, "S": 16}
 
     def llama2_7b_zero3():
-        from scale import build
+        from benchmarks.scale import build
         return build("llama2-7b"), LM, {"zero": ZeRO(3, dp=8)}, {"B": 2, "S": 512}
 
     out = {"qwen3-next": qwen3_next, "llama-2x32-fsdp2": llama_fsdp, "gru-fitted": gru}

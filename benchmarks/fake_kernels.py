@@ -16,8 +16,8 @@ bring in (the real and fake runs equal, the rules' run not) is listed too: a rul
 that is wrong there::
 
     pip install expecttest                 # torch.testing._internal needs it
-    python benchmarks/fake_kernels.py      # about 7 minutes on 2 cores
-    python benchmarks/fake_kernels.py nn.functional.pad   # some OpInfos, by name
+    python -m benchmarks.fake_kernels      # about 7 minutes on 2 cores
+    python -m benchmarks.fake_kernels nn.functional.pad   # some OpInfos, by name
 
 Strides of size-1 dimensions and of empty tensors are not compared (they do not change a
 layout).
@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import sys
 import warnings
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _transposed(t):
@@ -92,7 +89,6 @@ def _run(fn, args, kwargs):
 
 
 def main() -> None:
-    sys.path.insert(0, ROOT)
     warnings.filterwarnings("ignore")
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -1,7 +1,7 @@
 """Check: folded traces equal whole traces at real widths. Run on demand (not a test; about
 3 minutes on 2 cores):
 
-    python benchmarks/fold_check.py
+    python -m benchmarks.fold_check
 
 - Llama-2-7B at full size (32 blocks), training step and inference, CUDA modelled: the run
   derived from two cut runs (memsim.tracer.fold) against the run traced block by block,

@@ -16,7 +16,7 @@ Face configs built on meta:
 Each line: the command's wall time and peak RSS, its exit status (``fit`` exits 1 where the
 step does not fit). Run on demand (about 6 minutes on 2 cores)::
 
-    python benchmarks/frontier_strategies.py [--only NAME]
+    python -m benchmarks.frontier_strategies [--only NAME]
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# the command's target: scale.py's configs (this folder), built on meta
-MODELS = f"""import sys
-sys.path.insert(0, {HERE!r})
-from scale import build
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the command's target: scale.py's configs, built on meta (the command runs from the
+# repository's root, where ``benchmarks`` is importable)
+MODELS = """from benchmarks.scale import build
 
 def llama31_405b():
     return build("llama31-405b")
@@ -69,9 +68,9 @@ def main() -> None:
             if args.only and name != args.only:
                 continue
             cmd = [sys.executable, "-c", "from memsim.entry import script; script()",
-                   *argv[:2], *LM, *argv[2:], *COMMON]
+                   argv[0], os.path.join(tmp, argv[1]), *LM, *argv[2:], *COMMON]
             t0 = time.perf_counter()
-            proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL,
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
             timer = threading.Timer(args.timeout, proc.kill)
             timer.start()

@@ -19,7 +19,7 @@ labels, ``out.loss.backward()``, ``AdamW.step()``; optimizer state and gradients
 Each side runs in its own subprocess (the fake process group is global per process), so each
 side's time and peak RSS are its own. Run on demand (not a test):
 
-    python benchmarks/fsdp7b.py [--layers 32] [--dp 8 [16 ...]] [--seq 2048]
+    python -m benchmarks.fsdp7b [--layers 32] [--dp 8 [16 ...]] [--seq 2048]
                                 [--model llama2-7b|mixtral-8x22b|deepseek-v3] [--bf16]
                                 [--shard-dim PATTERN=DIM ...]
 
@@ -75,8 +75,7 @@ import time
 import torch
 import transformers
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 MODELS = {
@@ -126,7 +125,6 @@ def rss_mib() -> float:
 
 # -- memsim ---------------------------------------------------------------------------------------
 def run_memsim(args) -> dict:
-    sys.path.insert(0, ROOT)
     from memsim.strategies import FSDP, analyze
 
     with torch.device("meta"):
@@ -245,14 +243,14 @@ def run_pytorch(args) -> dict:
 
 # -- driver ---------------------------------------------------------------------------------------
 def child(part: str, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_part", part, "--layers",
+    cmd = [sys.executable, "-m", "benchmarks.fsdp7b", "--_part", part, "--layers",
            str(args.layers), "--dp", str(args._dp), "--seq", str(args.seq),
            "--threads", str(args.threads), "--model", args.model]
     cmd += ["--bf16"] if args.bf16 else []
     for text in args.shard_dim or ():
         cmd += ["--shard-dim", text]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
     if p.returncode:
         sys.stderr.write(p.stderr)

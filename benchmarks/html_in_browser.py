@@ -9,7 +9,7 @@ check fails (exit 1), saying how to install one: a check that could not run has 
 ``.ci/run`` installs Debian's ``chromium`` where no browser is found, then runs it after the
 tests.
 
-    python benchmarks/html_in_browser.py [--out DIR]
+    python -m benchmarks.html_in_browser [--out DIR]
 """
 
 from __future__ import annotations

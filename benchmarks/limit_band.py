@@ -14,24 +14,19 @@ answers and then every sequence length in a window below the largest that fits: 
 fits, the cache releases the replay made, and the request it could not place where it ran
 out. Run on demand (about half a minute on 2 cores)::
 
-    python benchmarks/limit_band.py [--below 24]
+    python -m benchmarks.limit_band [--below 24]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+from memsim.analysis.budget import Overheads, TotalModel, plan
+from memsim.analysis.gpus import gpu
+from memsim.strategies import FSDP
+from memsim.strategies.api import analyze
 
-import scale  # noqa: E402  (this folder: the models' configs)
-from memsim.analysis.budget import Overheads, TotalModel, plan  # noqa: E402
-from memsim.analysis.gpus import gpu  # noqa: E402
-from memsim.strategies import FSDP  # noqa: E402
-from memsim.strategies.api import analyze  # noqa: E402
+from benchmarks import scale  # the models' configs
 
 
 def main() -> None:

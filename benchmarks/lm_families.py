@@ -2,13 +2,14 @@
 classes: does memsim's training step equal a real CPU run? Run on demand (about 5 minutes on
 2 cores):
 
-    python benchmarks/lm_families.py            # every family below
-    python benchmarks/lm_families.py Bamba Zamba2
+    python -m benchmarks.lm_families            # every family below
+    python -m benchmarks.lm_families Bamba Zamba2
 
 Each model (2 layers, hidden 64, vocabulary 128, fp32) is analysed on the meta device with
 symbolic ``B`` and ``S`` (``--device cpu``, AdamW, the plain loop), then materialized and run
-for real (``tests/oracles/measure.py``: live tensor storages) at B=2, S=9 and B=3, S=20, sizes
-that were not traced; every figure the oracle has must be equal (``tests/oracle.py::check``).
+for real (``tests/support/oracles/measure.py``: live tensor storages) at B=2, S=9 and B=3,
+S=20, sizes that were not traced; every figure the oracle has must be equal
+(``tests/support/predict.py::check``).
 Mamba-2 layers scan in chunks of 16 here (Zamba2's of 256): S=9 is one chunk, S=20 two. A
 line per family: ``exact``, ``DIFFER`` (the first figure that differs) or ``ERROR`` (what
 failed), with the analysis time. ``benchmarks/models.py`` is the table of families (docs/accuracy.md)
@@ -17,16 +18,12 @@ against real runs at other points, inference included; this one is wider and tra
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..")]
+import transformers as T
 
-import transformers as T  # noqa: E402
-
-from oracle import check, predict  # noqa: E402
+from tests.support.predict import check, predict
 
 T.logging.set_verbosity_error()
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}

@@ -1,37 +1,33 @@
 """Popular model families, built from their configs: what memsim does with each, against a real
 run.
 
-    python benchmarks/models.py              # about 7 minutes on 2 cores
-    python benchmarks/models.py mamba gru    # some of them
+    python -m benchmarks.models              # about 7 minutes on 2 cores
+    python -m benchmarks.models mamba gru    # some of them
 
 Each family is built from a small config of its own class (transformers, diffusers; no
 weights), analysed on the meta device (``--device cpu``, fp32, AdamW, the plain loop), then
-materialized at the same small size and run for real on the CPU (``tests/oracles/measure.py``:
-live tensor storages, one warm-up step). Per model it prints how the formulas were obtained
-(``traced``: symbolic in every symbol; ``fitted in S``: a symbol the model's code pins, fitted
-from traces with it fixed, see ``analysis/fit.py``), the analysis time, and the training and
-inference peaks predicted and measured at two points of sizes that were not traced. The
-table in docs/accuracy.md ("Model families") is this script's output.
+materialized at the same small size and run for real on the CPU
+(``tests/support/oracles/measure.py``: live tensor storages, one warm-up step). Per model it prints
+how the formulas were obtained (``traced``: symbolic in every symbol; ``fitted in S``: a symbol the
+model's code pins, fitted from traces with it fixed, see ``analysis/fit.py``), the analysis time,
+and the training and inference peaks predicted and measured at two points of sizes that were not
+traced. The table in docs/accuracy.md ("Model families") is this script's output.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-sys.path.insert(0, os.path.join(HERE, ".."))
+import transformers as T
 
-import transformers as T  # noqa: E402
+from memsim.analysis import analyze
 
-import zoo  # noqa: E402
-from memsim.analysis import analyze  # noqa: E402
-from oracles.measure import (example_inputs, materialize, measure_inference,  # noqa: E402
-                             measure_train)
+from tests.support import zoo
+from tests.support.oracles.measure import (example_inputs, materialize, measure_inference,
+                                           measure_train)
 
 T.logging.set_verbosity_error()
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}

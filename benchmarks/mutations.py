@@ -8,10 +8,10 @@ work can go on beside a run. The staged copy is laid out as the installed packag
 is *killed* when those tests fail, *survived* when they pass; a mutation whose text is no longer
 in its file is *stale* and fails the run, as a survivor does.
 
-    python benchmarks/mutations.py                 # every mutation, killed/survived and the score
-    python benchmarks/mutations.py --list          # their names
-    python benchmarks/mutations.py --only NAME ... # some of them
-    python benchmarks/mutations.py --file analysis/peak.py --old 'a <= b' --new 'a < b' \\
+    python -m benchmarks.mutations                 # every mutation, killed/survived and the score
+    python -m benchmarks.mutations --list          # their names
+    python -m benchmarks.mutations --only NAME ... # some of them
+    python -m benchmarks.mutations --file analysis/peak.py --old 'a <= b' --new 'a < b' \\
         --tests tests/test_peak.py                 # one ad-hoc mutation, not in the list
 
 Exit 0 when every mutation run was killed. Survivors that no test can kill are listed in
@@ -303,9 +303,11 @@ def apply(staging: str, m: Mutation) -> str | None:
 def staged_env(staging: str) -> dict:
     """The environment that imports memsim from ``staging``: first on ``PYTHONPATH``, and
     ``PYTHONSAFEPATH`` so that no Python process (the tests' subprocesses too) puts the
-    repository's own ``memsim/`` ahead of it from the working directory."""
-    return dict(os.environ, PYTHONPATH=staging + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                PYTHONSAFEPATH="1", PYTHONDONTWRITEBYTECODE="1")
+    repository's own ``memsim/`` ahead of it from the working directory. The repository's root
+    comes second, for what is only there (``tests.support``, ``benchmarks``)."""
+    path = [staging, ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONSAFEPATH="1",
+                PYTHONDONTWRITEBYTECODE="1")
 
 
 def run_tests(staging: str, tests: tuple[str, ...], extra: list[str]) -> tuple[int, float, str]:
@@ -322,16 +324,22 @@ _CHECKED: list[str] = []
 
 
 def check_staging(staging: str) -> None:
-    """The staged copy, not the editable install, is what the tests import (checked for the
-    first copy: every copy is staged the same way)."""
+    """The staged copy, not the editable install, is what the tests import, and the tests'
+    helpers are the repository's (checked for the first copy: every copy is staged the same
+    way)."""
     if _CHECKED:
         return
     _CHECKED.append(staging)
     env = staged_env(staging)
-    where = subprocess.run([sys.executable, "-c", "import memsim.analysis as a; print(a.__file__)"],
-                           cwd=ROOT, env=env, capture_output=True, text=True).stdout.strip()
-    if not where.startswith(staging):
-        raise SystemExit(f"the tests would import memsim from {where!r}, not the staged copy")
+    code = "import memsim.analysis as a, tests.support as s; print(a.__file__); print(s.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    where = done.stdout.split()
+    if done.returncode or not where[0].startswith(staging):
+        raise SystemExit(f"the tests would import memsim from {where[:1]!r}, not the staged "
+                         f"copy: {done.stderr.strip()[-500:]}")
+    if not where[1].startswith(os.path.join(ROOT, "tests")):
+        raise SystemExit(f"the tests would import their helpers from {where[1]!r}")
 
 
 def mutate(m: Mutation, extra: list[str]) -> tuple[str, float, str]:

@@ -10,21 +10,19 @@ for GPT-2 124M (fp32) and a Llama-2-7B (bf16-mixed; the cache is bf16 under auto
 from their configs on meta, with Hugging Face's defaults. Run on demand (about two minutes on 2
 cores)::
 
-    python benchmarks/previous_output.py
+    python -m benchmarks.previous_output
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from memsim.analysis import analyze
 
-from fold_check import llama  # noqa: E402  (this folder: Llama-2-7B's widths, N layers)
-from memsim.analysis import analyze  # noqa: E402
+from benchmarks.fold_check import llama  # Llama-2-7B's widths, N layers
 
 GIB = 2**30
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}

@@ -1,6 +1,6 @@
 """Models whose traces take guards of the code path: what memsim answers past them.
 
-    python benchmarks/regimes.py            # about 2 minutes on 2 cores
+    python -m benchmarks.regimes            # about 2 minutes on 2 cores
 
 - ResNet-50's shape (transformers' ResNetConfig, on meta), 224 x 224 images: PyTorch picks a
   convolution backend below a batch of 16, a guard that used to cap the batch at 15 ("the

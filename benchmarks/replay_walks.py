@@ -12,21 +12,17 @@ figures with the walks capped at 1, 2, 3, 4 and 6, for two models modelling CUDA
 
 Run on demand (about a minute on 2 cores)::
 
-    python benchmarks/replay_walks.py
+    python -m benchmarks.replay_walks
 """
 
 from __future__ import annotations
 
-import os
-import sys
+from memsim.analysis import reserved as R
+from memsim.analysis.reserved import replay
+from memsim.strategies import ZeRO
+from memsim.strategies.api import analyze
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from fold_check import llama  # noqa: E402  (this folder: Llama-2-7B's widths, N layers)
-from memsim.analysis import reserved as R  # noqa: E402
-from memsim.analysis.reserved import replay  # noqa: E402
-from memsim.strategies import ZeRO  # noqa: E402
-from memsim.strategies.api import analyze  # noqa: E402
+from benchmarks.fold_check import llama  # Llama-2-7B's widths, N layers
 
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
 POINTS = ({"B": 2, "S": 512}, {"B": 4, "S": 2048})

@@ -1,6 +1,6 @@
 """Benchmark: memsim's optimal checkpointing plan against PyTorch's own SAC estimator + ILP.
 
-For a small GPT (tests/zoo.py TinyGPT, more layers) at a fixed (B, S) and budgets that are
+For a small GPT (tests/support/zoo.py TinyGPT, more layers) at a fixed (B, S) and budgets that are
 fractions of the no-checkpointing peak, prints side by side:
 
 - memsim: ``optimal_plan`` (fewest leading blocks, fully checkpointed), its predicted peak and
@@ -16,7 +16,7 @@ list from ``sac_ilp.get_optimal_checkpointing_policy_per_module``) and the real 
 AdamW step is measured with ``analysis.measure.measure_train``. Run on demand (not a test)::
 
     pip install pulp pwlf      # sac_ilp and SACEstimator's trade-off fit need them
-    python benchmarks/sac.py [--layers 8 --d 128 --B 4 --S 128 --fracs 0.85,0.7]
+    python -m benchmarks.sac [--layers 8 --d 128 --B 4 --S 128 --fracs 0.85,0.7]
 
 On CPU PyTorch's estimators cannot run as shipped: both runtime modes need CUDA
 (``operator-level-cost-model``: "AssertionError: Roofline estimation needs to access CUDA
@@ -39,20 +39,16 @@ import argparse
 import functools
 import io
 import os
-import sys
 import time
 from contextlib import redirect_stdout
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from memsim.analysis import analyze
+from memsim.strategies.checkpoint import apply_checkpointing, blocks, optimal_plan, step_flops
 
-import zoo  # noqa: E402
-from memsim.analysis import analyze  # noqa: E402
-from oracles.measure import example_inputs, materialize, measure_train  # noqa: E402
-from memsim.strategies.checkpoint import (apply_checkpointing, blocks, optimal_plan,  # noqa: E402
-                                   step_flops)
+from tests.support import zoo
+from tests.support.oracles.measure import example_inputs, materialize, measure_train
 
 GPT = {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])}
 H100_FP32_TFLOPS, H100_DRAM_GBPS = 67.0, 3350.0

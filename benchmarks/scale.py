@@ -2,7 +2,7 @@
 FakeTensorMode (one run per (B, S) point), on GPT-2 124M, Llama-2-7B, Llama-3-70B and
 Llama-3.1-405B configs built on the meta device (no weights). Run on demand (not a test):
 
-    python benchmarks/scale.py [--models gpt2,llama2-7b,llama3-70b,llama31-405b]
+    python -m benchmarks.scale [--models gpt2,llama2-7b,llama3-70b,llama31-405b]
                                [--peer-points N] [--sweep MODEL] [--strategies]
 
 Every measurement is a process of its own: wall time from start to exit (imports included) and
@@ -34,8 +34,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {
     # name: (transformers class, config kwargs, sequence lengths of the sweep)
@@ -82,7 +81,6 @@ def points(name: str) -> list[tuple[int, int]]:
 
 # -- the children -------------------------------------------------------------------------------
 def child_memsim(name: str, strategy: str) -> dict:
-    sys.path.insert(0, ROOT)
     from memsim.process import settle
     from memsim.strategies import FSDP, ZeRO
     from memsim.strategies.api import analyze
@@ -138,9 +136,8 @@ def child_peer(name: str, b: int, s: int) -> dict:
 def run_child(*args: str) -> tuple[dict, float, float]:
     """A child process: its JSON answer, wall seconds and peak RSS (MiB)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--child", *args],
-                            stdout=subprocess.PIPE, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.scale", "--child", *args],
+                            stdout=subprocess.PIPE, cwd=ROOT)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
@@ -162,7 +159,6 @@ def main() -> None:
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        sys.path.insert(0, ROOT)
         from memsim.process import own_process
         own_process()   # as the memsim command runs, for both sides: see settle() below
         kind, name, *rest = args.child

@@ -1,7 +1,7 @@
 """What a fake tensor with symbolic sizes costs torch to make, and what
 :func:`memsim.tracer.symcache.remembered` saves. Run on demand (a few seconds)::
 
-    python benchmarks/symbolic_sizes.py
+    python -m benchmarks.symbolic_sizes
 
 Times ``torch.empty_strided`` on the meta device (what the fake tensor cache does for every
 output it answers) for sizes ``(2, 64, 4096)`` and ``(B, S, 4096)`` (B and S symbols of a shape
@@ -11,17 +11,13 @@ remembered arithmetic; microseconds per tensor, best of three.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import torch
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from memsim.tracer.symcache import remembered  # noqa: E402
+from memsim.tracer.symcache import remembered
 
 N = 2000
 

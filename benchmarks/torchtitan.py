@@ -56,8 +56,8 @@ checkpointing), and so does its trace of torch's SAC with this policy (the CPU f
 kernel saved in place of the CUDA ones) on a small Llama
 (tests/test_checkpoint.py::test_selective_checkpointing_policy_real_run).
 
-    python benchmarks/torchtitan.py [--layers 32] [--loops titan,hf-dropped]   # ~2 min, 2 cores
-    python benchmarks/torchtitan.py --loops titan,titan-model --titan-checkout DIR
+    python -m benchmarks.torchtitan [--layers 32] [--loops titan,hf-dropped]   # ~2 min, 2 cores
+    python -m benchmarks.torchtitan --loops titan,titan-model --titan-checkout DIR
 """
 
 from __future__ import annotations

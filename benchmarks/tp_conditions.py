@@ -5,33 +5,28 @@ At its odd example sizes (B = 5, S = 7) a trace under tensor parallelism assumes
 ``Ne(Mod(B, 2), 0)`` (DTensor's reshape rule around each linear layer), and with sequence
 parallelism S odd too. memsim crosses them: one more trace per condition, and a *side* of the
 report where the other side's figures differ. This times ``analyze`` on a 2-layer Llama
-(hidden 64, Hugging Face's SDPA attention: ``tests/oracles/dist.py``'s ``llama_model``) over TP 2
-and TP 2 with SP, and one with 8 heads (hidden 256) over TP 8 with SP (its sequence traced at
-S = 29: ``strategies/api.py``'s ``_sequence_hints``), on the CPU, with the crossing and without
-it (``cross_conditions`` replaced by the identity in this process), and how many points of
-the 16 of a sweep (B 1-8 x S 16-128, even and odd) each answers from its formulas, without
-tracing again. Run on demand (about two minutes on 2 cores)::
+(hidden 64, Hugging Face's SDPA attention: ``tests/support/oracles/dist.py``'s ``llama_model``)
+over TP 2 and TP 2 with SP, and one with 8 heads (hidden 256) over TP 8 with SP (its sequence
+traced at S = 29: ``strategies/api.py``'s ``_sequence_hints``), on the CPU, with the crossing and
+without it (``cross_conditions`` replaced by the identity in this process), and how many points of
+the 16 of a sweep (B 1-8 x S 16-128, even and odd) each answers from its formulas, without tracing
+again. Run on demand (about two minutes on 2 cores)::
 
-    python benchmarks/tp_conditions.py
+    python -m benchmarks.tp_conditions
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from unittest import mock
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import torch
 
-import torch  # noqa: E402
+from memsim.analysis import report as R
+from memsim.strategies import TensorParallel
+from memsim.strategies.api import analyze
 
-import oracles.dist as O  # noqa: E402  (tests/oracles: the real runs' models)
-from memsim.analysis import report as R  # noqa: E402
-from memsim.strategies import TensorParallel  # noqa: E402
-from memsim.strategies.api import analyze  # noqa: E402
+from tests.support.oracles import dist as O  # the real runs' models
 
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
 POINTS = [(b, s) for b in (2, 3, 4, 8) for s in (16, 33, 64, 128)]

@@ -2,11 +2,12 @@
 
 For each configuration (model × stage × precision × overlap_comm), memsim traces DeepSpeed's
 engine on a fake process group (``strategies.analyze(..., zero=ZeRO(...), device="cpu")``) and
-``tests/oracles/dist.py`` runs the same DeepSpeed step for real on 2 gloo ranks (CPU accelerator,
-two warm-up steps), counting live storages. Printed: each rank's predicted and measured peak,
-their ratio, and the time each side took. Run on demand (needs ``pip install deepspeed``):
+``tests/support/oracles/dist.py`` runs the same DeepSpeed step for real on 2 gloo ranks (CPU
+accelerator, two warm-up steps), counting live storages. Printed: each rank's predicted and
+measured peak, their ratio, and the time each side took. Run on demand (needs ``pip install
+deepspeed``):
 
-    python benchmarks/zero_vs_deepspeed.py [--models mlp llama] [--stages 1 2 3]
+    python -m benchmarks.zero_vs_deepspeed [--models mlp llama] [--stages 1 2 3]
 
 The 2-rank tests in ``tests/test_zero.py`` are a subset of this matrix.
 """
@@ -14,19 +15,14 @@ The 2-rank tests in ``tests/test_zero.py`` are a subset of this matrix.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-sys.path.insert(0, os.path.join(HERE, ".."))
+from memsim.strategies import ZeRO
+from memsim.strategies.api import analyze
 
-import oracles.dist as O  # noqa: E402
-from memsim.strategies import ZeRO  # noqa: E402
-from memsim.strategies.api import analyze  # noqa: E402
+from tests.support.oracles import dist as O
 
 BUCKETS = {"reduce_bucket_size": 10_000, "allgather_bucket_size": 10_000}
 STAGE3 = {"stage3_prefetch_bucket_size": 10_000, "stage3_param_persistence_threshold": 100}

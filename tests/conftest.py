@@ -1,11 +1,9 @@
 import os
-import sys
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))
 # the command's answer cache (memsim.entry) of this session only: commands the tests run in
 # subprocesses neither read nor leave answers in the user's cache
 if "MEMSIM_CACHE_DIR" not in os.environ:
@@ -42,27 +40,6 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _strict(outcome.get_result(), collector.nodeid)
-
-
-def example(name: str):
-    """The module ``examples/<name>.py``, loaded from its file (the examples are not a
-    package)."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        f"example_{name}", os.path.join(root, "examples", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def grid(**axes):
-    """Every combination of the given values: grid(B=(2, 3), S=(4, 9)) -> 4 points."""
-    import itertools
-
-    names = list(axes)
-    return [dict(zip(names, vals)) for vals in itertools.product(*axes.values())]
 
 
 @pytest.fixture(autouse=True)

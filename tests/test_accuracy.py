@@ -9,10 +9,10 @@ import functools
 import pytest
 import torch
 
-import zoo
-from conftest import grid
 from memsim.analysis import analyze
-from oracle import check, figures, predict
+
+from tests.support import zoo
+from tests.support.predict import check, figures, grid, predict
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 CASES = {
@@ -319,7 +319,7 @@ def test_inplace_on_a_view_then_used_is_modelled_low(model, low):
     S=5 the real runs read 274,768 B (alias) and 58,704 B (narrow), memsim 233,808 and 53,584.
     Every other figure is equal. This asserts the gap itself, so it fails the day memsim
     models the case: then it becomes an equality, and the documented limit goes."""
-    from oracles.measure import example_inputs, materialize, measure_train
+    from tests.support.oracles.measure import example_inputs, materialize, measure_train
     x = {"x": ("float32", ["B", "S", 8])}
     pt = {"B": 2, "S": 5}
     got = figures(predict(model, x, inference=False), **pt)["train"]

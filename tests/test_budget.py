@@ -9,14 +9,15 @@ import json
 import pytest
 import torch
 
-import zoo
-from conftest import example
 from memsim.analysis.budget import Overheads, plan
 from memsim.analysis.gpus import gpu, load_catalog, parse_memory
-from oracles.measure import example_inputs, materialize, measure_train
-from oracle import predict
 from memsim.cli import main
 from memsim.tracer import InputError, UsageError
+
+from tests.support import zoo
+from tests.support.examples import example
+from tests.support.oracles.measure import example_inputs, materialize, measure_train
+from tests.support.predict import predict
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 

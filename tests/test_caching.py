@@ -247,12 +247,13 @@ def test_replay_hands_out_the_traced_blocks(point):
     cuBLAS workspace, exactly; the first step (optimizer state made lazily, no previous
     gradients) and the carry-over of gradients between the steps leave it unchanged. Under
     the default settings large blocks may be handed out whole. Every figure, in both
-    settings, is that of the same steps run through tests/oracles/cuda_cache.py's independent
-    simulation of the allocator until they settle; at B = 2, S = 8 they are derived below."""
-    import zoo
+    settings, is that of the same steps run through tests/support/oracles/cuda_cache.py's
+    independent simulation of the allocator until they settle; at B = 2, S = 8 they are
+    derived below."""
+    from tests.support import zoo
 
     from memsim.analysis.reserved import replay
-    from oracles.cuda_cache import loop_of, steady, train
+    from tests.support.oracles.cuda_cache import loop_of, steady, train
     r = _cuda_report(zoo.Block, SEQ)
     sub, pt = r.for_point(point)
     peak = sub.train.value("peak", pt)
@@ -292,7 +293,7 @@ def test_fsdp2_side_streams_are_recorded():
     segments for a model whose every request is small)."""
     import collections
 
-    import zoo
+    from tests.support import zoo
 
     from memsim.analysis.reserved import replay
     from memsim.strategies import FSDP, analyze
@@ -314,7 +315,7 @@ def test_budget_runs_out_of_memory_in_the_replay(capsys):
     """A capacity the allocated peak fits but the allocator's segments do not: the budget says
     it does not fit, and why."""
     import json
-    import zoo
+    from tests.support import zoo
 
     from memsim.analysis.budget import Overheads, plan
     r = _cuda_report(zoo.Block, SEQ)
@@ -356,7 +357,7 @@ def test_ddp_buckets_are_replayed(view):
     edit, so with expandable segments its steady-step allocated peak is the edited peak plus
     the cuBLAS workspace, exactly."""
     import torch
-    import zoo
+    from tests.support import zoo
 
     from memsim.analysis.reserved import replay
     from memsim.strategies import DDP, analyze

@@ -7,13 +7,14 @@ import json
 import pytest
 import torch
 
-import zoo
-from oracle import check, predict
-from oracles.measure import example_inputs, measure_train
 from memsim.strategies.checkpoint import (apply_checkpointing, blocks, named_plan, optimal_plan,
                                    plans_over_range, ranking, remove_checkpointing)
 from memsim.cli import main
 from memsim.tracer import InputError
+
+from tests.support import zoo
+from tests.support.oracles.measure import example_inputs, measure_train
+from tests.support.predict import check, predict
 
 GPT = {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])}
 
@@ -141,7 +142,7 @@ def test_plans_over_a_range_of_S():
 
 
 def test_cli_checkpoint_range(capsys):
-    args = ["checkpoint", "tests.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",
+    args = ["checkpoint", "tests.support.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",
             "targets=int64[B,S]", "--device", "cpu", "--at", "B=4", "--budget", "1MiB",
             "--range", "S=8:64"]
     code = main(args + ["--search", "blocks", "--json"])
@@ -187,7 +188,7 @@ def test_ranking_groups_repeated_blocks():
 
 
 def test_cli_checkpoint_json(capsys):
-    args = ["checkpoint", "tests.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",
+    args = ["checkpoint", "tests.support.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",
             "targets=int64[B,S]", "--device", "cpu", "--at", "B=2,S=16", "--plan", "blocks",
             "--json"]
     assert main(args) == 0
@@ -224,15 +225,15 @@ def _real_step_flops(paths: list[str], factory=zoo.TinyGPT, B: int = 2, S: int =
                                         ("llama", "every:2")])
 def test_hf_plans_match_real_run(model, plan):
     """apply_checkpointing on Hugging Face layers (called with keyword arguments)."""
-    import test_hf
-    base = getattr(test_hf, model)
+    hf = pytest.importorskip("tests.support.hf_models")
+    base = getattr(hf, model)
 
     def factory():
         m = base()
         return apply_checkpointing(m, named_plan(m, plan))
 
-    report = predict(factory, test_hf.LM, inference=False)
-    check(report, factory, test_hf.LM, [{"B": 2, "S": 5}, {"B": 3, "S": 16}])
+    report = predict(factory, hf.LM, inference=False)
+    check(report, factory, hf.LM, [{"B": 2, "S": 5}, {"B": 3, "S": 16}])
 
 
 @pytest.mark.slow
@@ -242,22 +243,22 @@ def test_blocks_plan_equals_hugging_faces_own_checkpointing():
     every figure. With the cache left on, the recomputation in backward appended each layer's
     keys and values to the cache again and the cache kept the recomputed graph to the end of
     backward (Llama-2-7B, FSDP2 dp 8, B 8, S 2048: 49.30 GiB, 20.64 without)."""
-    import test_hf
+    hf = pytest.importorskip("tests.support.hf_models")
     from memsim.strategies.api import analyze
 
     def hf_checkpointed():
-        m = test_hf.llama()
+        m = hf.llama()
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return m
 
     with torch.device("meta"):
-        m = test_hf.llama()
+        m = hf.llama()
     assert m.config.use_cache is True
-    report = analyze(m, test_hf.LM, device="cpu", inference=False, checkpoint="blocks")
+    report = analyze(m, hf.LM, device="cpu", inference=False, checkpoint="blocks")
     assert m.config.use_cache is True  # the user's model is left as it was
     assert any("use_cache=False" in n for n in report.notes)
-    check(report, hf_checkpointed, test_hf.LM, [{"B": 2, "S": 5}, {"B": 3, "S": 16}])
-    with_plan = apply_checkpointing(test_hf.llama(), named_plan(m, "blocks"))
+    check(report, hf_checkpointed, hf.LM, [{"B": 2, "S": 5}, {"B": 3, "S": 16}])
+    with_plan = apply_checkpointing(hf.llama(), named_plan(m, "blocks"))
     assert with_plan.config.use_cache is False
     assert remove_checkpointing(with_plan).config.use_cache is True
 
@@ -267,8 +268,8 @@ _LLAMA: dict = {}
 
 @functools.lru_cache(maxsize=None)
 def llama_plain():
-    import test_hf
-    return predict(test_hf.llama, test_hf.LM, inference=False)
+    hf = pytest.importorskip("tests.support.hf_models")
+    return predict(hf.llama, hf.LM, inference=False)
 
 
 @pytest.mark.slow
@@ -276,16 +277,16 @@ def llama_plain():
 def test_hf_llama_optimal_plan_real_run(frac):
     """The optimal plan (modules search) for a Llama-style model at two budgets: it fits, and a
     real run of the checkpointed model equals the prediction."""
-    import test_hf
+    hf = pytest.importorskip("tests.support.hf_models")
 
     pt = {"B": 4, "S": 64}
     with torch.device("meta"):
-        m = test_hf.llama()
+        m = hf.llama()
     none = llama_plain()
     budget = int(none.at(**pt)["train"]["peak"] * frac)
-    res = optimal_plan(m, test_hf.LM, pt, budget, device="cpu", base=none, cache=_LLAMA)
+    res = optimal_plan(m, hf.LM, pt, budget, device="cpu", base=none, cache=_LLAMA)
     assert res is not None and res.plan and res.report.at(**pt)["train"]["peak"] <= budget
-    check(res.report, lambda: apply_checkpointing(test_hf.llama(), res.plan), test_hf.LM, [pt])
+    check(res.report, lambda: apply_checkpointing(hf.llama(), res.plan), hf.LM, [pt])
 
 
 def test_recomputation_leaves_the_module_stack_as_it_found_it():
@@ -299,7 +300,7 @@ def test_recomputation_leaves_the_module_stack_as_it_found_it():
 
 
 def _op_sac_llama():
-    """test_hf's Llama (use_cache=False) with each decoder layer under non-reentrant
+    """hf_models' Llama (use_cache=False) with each decoder layer under non-reentrant
     torch.utils.checkpoint with selective checkpointing: torchtitan's op-level policy (every
     other matmul output and the attention kernel's saved, the rest recomputed)."""
     from collections import defaultdict
@@ -307,7 +308,7 @@ def _op_sac_llama():
     from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                         create_selective_checkpoint_contexts)
 
-    import test_hf
+    hf = pytest.importorskip("tests.support.hf_models")
 
     saved_ops = {torch.ops.aten.mm.default,
                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -330,7 +331,7 @@ def _op_sac_llama():
         return checkpoint(type(layer).forward, layer, *args, use_reentrant=False,
                           context_fn=context, **kwargs)
 
-    m = test_hf.llama()
+    m = hf.llama()
     m.config.use_cache = False
     for layer in m.model.layers:
         layer.forward = functools.partial(forward, layer)
@@ -345,8 +346,8 @@ def test_selective_checkpointing_policy_real_run():
     until backward has released all the region saved: a cached output the early-stopped
     recomputation never reaches (each layer's down_proj matmul) lives until then, well after the
     recomputation (memsim had it freed with the recomputation: 12,288 B low at B 3, S 16)."""
-    import test_hf
+    hf = pytest.importorskip("tests.support.hf_models")
 
-    report = predict(_op_sac_llama, test_hf.LM, inference=False)
-    check(report, _op_sac_llama, test_hf.LM,
+    report = predict(_op_sac_llama, hf.LM, inference=False)
+    check(report, _op_sac_llama, hf.LM,
           [{"B": 2, "S": 5}, {"B": 3, "S": 16}, {"B": 4, "S": 9}])

@@ -14,9 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oracle import check, predict
-from oracles.measure import example_inputs, measure_train
 from memsim.strategies.checkpoint import apply_checkpointing, blocks, named_plan, optimal_plan
+
+from tests.support.oracles.measure import example_inputs, measure_train
+from tests.support.predict import check, predict
 
 IMG = {"x": ("float32", ["B", 3, "H", 8])}
 POINTS = [{"B": 2, "H": 8}, {"B": 3, "H": 12}]

@@ -24,8 +24,9 @@ def test_json_shape_and_values(capsys):
         assert int(parsed.subs({B: 2, S: 8})) == e["bytes"]
     # the figures are a real run's (the CLI's target materialized, run for real on the CPU)
     import torch
-    from conftest import example
-    from oracles.measure import example_inputs, materialize, measure_inference, measure_train
+    from tests.support.examples import example
+    from tests.support.oracles.measure import (example_inputs, materialize, measure_inference,
+                                               measure_train)
     mod = example("nanogpt_block")
     torch.manual_seed(0)
     real = materialize(mod.small())
@@ -53,7 +54,7 @@ def test_table_at_point(capsys):
 
 
 def test_package_module_target(capsys):
-    assert main(["analyze", "tests.zoo:MLP", "--input", "x=float32[B,16]", "--at", "B=4",
+    assert main(["analyze", "tests.support.zoo:MLP", "--input", "x=float32[B,16]", "--at", "B=4",
                  "--device", "cpu", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["train"]["parameters"]["bytes"] == 4 * (16 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4)

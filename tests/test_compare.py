@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 
-from conftest import example
 from memsim.cli import main
-from oracles.measure import example_inputs, materialize, measure_train
+
+from tests.support.examples import example
+from tests.support.oracles.measure import example_inputs, materialize, measure_train
 
 ARGS = ["examples/nanogpt_block.py:small", "--input", "x=float32[B,S,64]", "--at", "B=2,S=8",
         "--device", "cpu", "--memory", "1GiB"]

@@ -5,7 +5,7 @@ CPU (``analysis.measure.measure_compiled_train``): saved-for-backward bytes from
 saved-tensor hooks, the peak from the profiler's allocator events. memsim traces at the same
 point (the partition is chosen at the example sizes, as torch.compile chooses it at the shape it
 compiles for). Saved bytes must be equal; the peak models Inductor's fusion, not its scheduler's
-reordering, so it is checked within -1%..+2% here; ``python benchmarks/compiled.py`` measures
+reordering, so it is checked within -1%..+2% here; ``python -m benchmarks.compiled`` measures
 more models (up to +10.2% on a CNN, -2.4% on GPT-2).
 """
 
@@ -14,12 +14,13 @@ import json
 import pytest
 import torch
 
-import zoo
 from memsim.analysis import analyze
-from oracles.measure import (example_inputs, materialize, measure_compiled_train,
-                              measure_train)
 from memsim.cli import main
 from memsim.tracer import TraceError
+
+from tests.support import zoo
+from tests.support.oracles.measure import (example_inputs, materialize, measure_compiled_train,
+                                           measure_train)
 
 CASES = {
     "mlp": (zoo.MLP, {"x": ("float32", ["B", 16])}, dict(B=8)),
@@ -137,7 +138,7 @@ def test_checkpointed_blocks_under_compile(capsys):
     from memsim.strategies.checkpoint import apply_checkpointing
 
     factory, inputs, pt = CASES["tiny_gpt"]
-    assert main(["analyze", "tests.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",
+    assert main(["analyze", "tests.support.zoo:TinyGPT", "--input", "idx=int64[B,S]", "--input",
                  "targets=int64[B,S]", "--device", "cpu", "--train", "--compiled",
                  "--checkpoint", "blocks", "--at", "B=2,S=16", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -3,9 +3,10 @@
 import sympy
 import torch
 
-import zoo
 from memsim.analysis import analyze
-from oracles.measure import measure_train
+
+from tests.support import zoo
+from tests.support.oracles.measure import measure_train
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 

@@ -10,13 +10,15 @@ The convention (docs/architecture.md, "The docs"):
   scratch directory that sees the repository's ``examples/``; they must exit 0 and print the
   output shown, if any (a command shown in several places runs once). **Every other** command is checked without running it: ``memsim ...`` is
   parsed by ``memsim.cli``'s own parser (target file and name, ``--gpu``, each ``--config``
-  checked too); ``python3 benchmarks/X.py`` / ``examples/X.py``: the script exists and accepts
-  every option used (``--help`` for argparse scripts, run once each; the source for the others,
-  which would run the benchmark on ``--help``); ``pip install``: the torch pin is in
+  checked too); ``python3 -m benchmarks.X`` / ``python3 examples/X.py``: the module's file
+  (``benchmarks/X.py``) or the script exists and accepts every option used (``--help`` for
+  argparse scripts, run once each; the source for the others, which would run the benchmark on
+  ``--help``), and a benchmark is run as a module (it imports ``benchmarks`` and
+  ``tests.support`` from the repository's root); ``pip install``: the torch pin is in
   ``pyproject.toml``'s range and the extras exist; ``python3 -m pytest``: the test paths and
   markers exist, and the README's test command is the one ``.ci/run`` runs.
-- Inline code in running text that starts like a command (``memsim analyze``, ``python3
-  benchmarks/...``, ``python3 -m pytest``), and such a line in a plain fenced block (a
+- Inline code in running text that starts like a command (``memsim analyze``, ``python3 -m
+  benchmarks...``, ``python3 -m pytest``), and such a line in a plain fenced block (a
   synopsis), is checked the same way, never run; an elided ``TARGET ...`` is allowed there.
 - ```` ```pycon ```` blocks run as doctests; ```` ```python ```` blocks must parse.
 - Every relative link and image resolves (file, and heading for ``.md#anchor``); every
@@ -151,7 +153,7 @@ def console_commands(doc: Path) -> list[Command]:
 
 INLINE = re.compile(r"(?<!`)`([^`\n]+(?:\n[^`\n]+)?)`(?!`)")
 COMMAND_START = re.compile(r"^(memsim (analyze|fit|checkpoint|compare|gpus)\b|python3? "
-                           r"(benchmarks|examples)/|python3? -m pytest\b)")
+                           r"(benchmarks|examples)/|python3? -m (pytest|benchmarks\.)\b)")
 
 
 def inline_spans(doc: Path) -> list[tuple[int, str]]:
@@ -269,13 +271,14 @@ def matches(shown: tuple[str, ...], printed: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def script_help(script: str) -> str | None:
-    """``script --help``'s text for an argparse script; None for a script that reads
-    ``sys.argv`` itself, whose ``--help`` would run it."""
+def script_help(script: str, run: tuple[str, ...]) -> str | None:
+    """``run --help``'s text for an argparse script (``run``: how the doc runs ``script``, a
+    file or ``-m`` and a module); None for a script that reads ``sys.argv`` itself, whose
+    ``--help`` would run it."""
     path = ROOT / script
     if not path.is_file() or "ArgumentParser" not in path.read_text(encoding="utf-8"):
         return None
-    done = subprocess.run([sys.executable, str(path), "--help"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, *run, "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=RUN_TIMEOUT)
     if done.returncode != 0:
         return f"<--help failed, exit {done.returncode}>\n{done.stdout}{done.stderr}"
@@ -283,15 +286,24 @@ def script_help(script: str) -> str | None:
 
 
 def check_script(words: list[str], where: str) -> None:
-    script = words[1]
+    """``python3 examples/X.py ...`` or ``python3 -m benchmarks.X ...``: the file exists and
+    accepts every option the doc gives it."""
+    if words[1] == "-m":
+        module, args = words[2], words[3:]
+        script, run = module.replace(".", "/") + ".py", ("-m", module)
+    else:
+        script, args, run = words[1], words[2:], (str(ROOT / words[1]),)
+        assert not script.startswith("benchmarks/"), \
+            f"{where}: a benchmark runs as a module from the repository's root: python3 -m " \
+            f"{script.removesuffix('.py').replace('/', '.')}"
     path = ROOT / script
     assert path.is_file(), f"{where}: no such script {script}"
     ast.parse(path.read_text(encoding="utf-8"))
     source = path.read_text(encoding="utf-8")
-    help_text = script_help(script) if flags(words[2:]) else None
+    help_text = script_help(script, run) if flags(args) else None
     if help_text is not None:
         assert not help_text.startswith("<--help failed"), f"{where}: {script}: {help_text}"
-    for flag in flags(words[2:]):
+    for flag in flags(args):
         declared = re.search(rf"""["']{re.escape(flag)}["']""", source)
         if help_text is not None:
             assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) or declared, \
@@ -299,7 +311,7 @@ def check_script(words: list[str], where: str) -> None:
         else:
             assert flag in source, f"{where}: {script} does not read {flag}"
     if "ArgumentParser" not in source:  # sys.argv scripts: their named arguments are in the source
-        for word in words[2:]:
+        for word in args:
             if not word.startswith("-"):
                 assert word in source, f"{where}: {script} knows no {word!r}"
 
@@ -346,6 +358,9 @@ def check_static(words: list[str], where: str) -> None:
         check_pip(words, where)
     elif head in ("python", "python3") and words[1:3] == ["-m", "pytest"]:
         check_pytest(words, where)
+    elif head in ("python", "python3") and len(words) > 2 and words[1] == "-m" and \
+            words[2].startswith("benchmarks."):
+        check_script(words, where)
     elif head in ("python", "python3") and len(words) > 1 and \
             words[1].startswith(("benchmarks/", "examples/")):
         check_script(words, where)

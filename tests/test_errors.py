@@ -111,7 +111,7 @@ def test_out_of_range_point_says_so():
         r.at(B=1)  # below the formula's range: at() names for_point, which traces it...
     sub, pt = r.for_point({"B": 1})
     assert sub.fixed == {"B": 1}  # ...with B fixed to 1, and its figures are a real run's
-    from oracle import check
+    from tests.support.predict import check
     check(r, lambda: nn.Linear(4, 4), {"input": ("float32", ["B", 4])}, [{"B": 1}])
     with pytest.raises(InputError, match="lacks B"):
         r.at(S=3)
@@ -122,9 +122,10 @@ def test_cli_usage_errors_exit_2(capsys):
     assert "no such file" in capsys.readouterr().err
     assert main(["analyze", "torch.nn:Linear", "--input", "x=float32[B"]) == 2
     assert "malformed --input" in capsys.readouterr().err
-    assert main(["analyze", "tests.zoo:MLP", "--input", "x=float32[B,16]", "--at", "B"]) == 2
+    assert main(["analyze", "tests.support.zoo:MLP", "--input", "x=float32[B,16]",
+                 "--at", "B"]) == 2
     assert "malformed --at" in capsys.readouterr().err
-    assert main(["analyze", "tests.zoo:MLP", "--input", "x=float32[B,16]",
+    assert main(["analyze", "tests.support.zoo:MLP", "--input", "x=float32[B,16]",
                  "--optimizer", "Adamm"]) == 2
     assert "unknown optimizer 'Adamm'" in capsys.readouterr().err
 
@@ -156,10 +157,10 @@ def test_cli_pinned_symbols_are_traced_at_the_point(pt, capsys):
     that pin it."""
     import json
     import os
-    import zoo
-    from oracles.measure import example_inputs, materialize, measure_train
+    from tests.support import zoo
+    from tests.support.oracles.measure import example_inputs, materialize, measure_train
 
-    target = os.path.join(os.path.dirname(__file__), "zoo.py") + ":Scan"
+    target = os.path.join(os.path.dirname(__file__), "support", "zoo.py") + ":Scan"
     at = ",".join(f"{k}={v}" for k, v in pt.items())
     args = ["analyze", target, "--input", "x=float32[B,S,8]", "--device", "cpu", "--train"]
     assert main(args + ["--at", at, "--json"]) == 0
@@ -178,7 +179,7 @@ def test_cli_pinned_symbols_are_traced_at_the_point(pt, capsys):
 def test_pinned_symbol_without_a_fit_names_the_module(capsys):
     """With fitting off (Python ``fit=False``), a pinned symbol is a SpecializationError whose
     hint speaks CLI and names the module."""
-    import zoo
+    from tests.support import zoo
     from memsim.tracer import SpecializationError
     with pytest.raises(SpecializationError) as e:
         analyze(zoo.GRULM(), {"x": ("int64", ["B", "S"])}, device="cpu", fit=False)
@@ -200,7 +201,7 @@ class LongKernel(nn.Module):
 def test_a_model_that_fails_at_the_example_sizes_is_traced_at_larger_ones():
     """The model's own failure at the small example sizes (B=5, S=7) is traced again with S
     larger; the formulas equal a real run down to the kernel's length."""
-    from oracle import check
+    from tests.support.predict import check
     inputs = {"x": ("float32", ["B", "S"])}
     with torch.device("meta"):
         report = analyze(LongKernel(), inputs, device="cpu")
@@ -233,8 +234,9 @@ def test_a_long_python_loops_graph_is_freed_without_overflowing_the_stack():
     import subprocess
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = ("import torch, zoo\n"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import torch\n"
+            "from tests.support import zoo\n"
             "from memsim.analysis import analyze\n"
             "with torch.device('meta'):\n"
             "    m = zoo.Scan()\n"
@@ -246,7 +248,9 @@ def test_a_long_python_loops_graph_is_freed_without_overflowing_the_stack():
         resource.setrlimit(resource.RLIMIT_STACK,
                            (512 * 1024, resource.getrlimit(resource.RLIMIT_STACK)[1]))
 
-    env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # the repository after what is on the path already (a staged copy of memsim stays first)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH"), root) if p)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, preexec_fn=small_stack, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -14,9 +14,10 @@ import re
 import pytest
 import torch
 
-from conftest import example
 from memsim.render import human
-from oracles.measure import example_inputs, materialize, measure_train
+
+from tests.support.examples import example
+from tests.support.oracles.measure import example_inputs, materialize, measure_train
 
 EXAMPLES = ["own_cnn", "gpt2_24gb", "llama3_8b_lora", "llama13b_zero3", "llama70b_tp_fsdp",
             "vit_resolution"]

@@ -7,10 +7,12 @@ import os
 import pytest
 import torch
 
-import zoo
 from memsim.analysis.fit import FittedReport, fit_windows
-from oracle import predict
-from oracles.measure import example_inputs, materialize, measure_inference, measure_train
+
+from tests.support import zoo
+from tests.support.oracles.measure import (example_inputs, materialize, measure_inference,
+                                           measure_train)
+from tests.support.predict import predict
 
 
 def _real(factory, inputs, point):
@@ -111,7 +113,7 @@ def test_mamba_slow_path_is_fitted_in_sequence_length():
 
 def test_cli_json_says_what_is_fitted(capsys):
     from memsim.cli import main
-    target = os.path.join(os.path.dirname(__file__), "zoo.py") + ":Scan"
+    target = os.path.join(os.path.dirname(__file__), "support", "zoo.py") + ":Scan"
     assert main(["analyze", target, "--input", "x=float32[B,S,8]", "--device", "cpu",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

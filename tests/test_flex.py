@@ -14,10 +14,11 @@ import math
 import pytest
 import sympy
 import torch
-import zoo
 from memsim.analysis import analyze
 from memsim.tracer import StepConfig, TraceError, trace
-from oracles.measure import example_inputs, materialize
+
+from tests.support import zoo
+from tests.support.oracles.measure import example_inputs, materialize
 from torch import nn
 
 SEQ = {"x": ("float32", ["B", "S", 64])}

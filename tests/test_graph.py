@@ -4,8 +4,9 @@ import networkx as nx
 import sympy
 import torch
 
-import zoo
 from memsim.tracer import Category, trace
+
+from tests.support import zoo
 
 
 def _trace():

@@ -4,23 +4,11 @@ import functools
 
 import pytest
 
-from conftest import grid
-from oracle import check, predict
+from tests.support.predict import check, grid, predict
 
 T = pytest.importorskip("transformers")
 
-LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
-
-
-def gpt2():
-    return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
-                                          n_positions=64, bos_token_id=0, eos_token_id=0))
-
-
-def llama():
-    return T.LlamaForCausalLM(T.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=100, max_position_embeddings=64))
+from tests.support.hf_models import LM, gpt2, llama, qwen3_next  # noqa: E402
 
 
 @pytest.mark.slow
@@ -119,18 +107,6 @@ def test_spec_augment_is_a_typed_error():
     with pytest.raises(DataDependentError, match="SpecAugment") as e:
         predict(wav2vec2(), AUDIO)
     assert "mask_time_prob=0" in str(e.value) and "Kernel size" in str(e.value)
-
-
-def qwen3_next():
-    """Gated DeltaNet layers (a causal conv, the chunked delta rule solved with
-    linalg.solve_triangular, S padded to 64-token chunks) and a full-attention layer, MoE."""
-    return T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        layer_types=["linear_attention", "full_attention"],
-        num_key_value_heads=2, head_dim=8, vocab_size=100, max_position_embeddings=64,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
-        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16))
 
 
 def longformer():
@@ -322,7 +298,8 @@ def test_previous_steps_output_is_alive_until_the_loop_rebinds_it():
     cache (``use_cache=True``, its configs' default, which training keeps), is alive until the
     forward returns, and its loss until the new loss exists (tracer/previous.py). Here that
     makes the peak, in forward: the prediction equals a real run whose previous step's output
-    is held so (tests/oracles/measure.py), and is above the same model's without a cache."""
+    is held so (tests/support/oracles/measure.py), and is above the same model's without a
+    cache."""
     on, off = (functools.partial(_mha_llama, c) for c in (True, False))
     report = predict(on, LM, inference=False)
     check(report, on, LM, grid(B=(3,), S=(40, 100)))
@@ -338,7 +315,7 @@ def test_inference_loop_holds_the_previous_output():
     """An evaluation loop rebinds ``out = model(**batch)`` too: the previous forward's logits
     and KV cache (``use_cache=True`` in ``eval()``) are alive until the next forward returns.
     Kept and dropped, the prediction equals a real loop of two forwards (the second measured,
-    tests/oracles/measure.py); kept is above dropped by exactly the previous output's
+    tests/support/oracles/measure.py); kept is above dropped by exactly the previous output's
     storages: fp32 logits (B, S, 50), per layer the cache's keys and values (B, 4, S, 16), and
     the loss (the inputs have labels)."""
     on = functools.partial(_mha_llama, True)

@@ -24,9 +24,10 @@ PROGRAM = r"""
 import functools, json, sys
 import torch
 torch.set_num_threads(1)
-import zoo
 from memsim.analysis import analyze
 from memsim.tracer import CpuIsa
+
+from tests.support import zoo
 
 CASES = {
     "lstm-bf16": (functools.partial(zoo.LSTMLM, bidirectional=True),

@@ -81,11 +81,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oracles.measure import example_inputs, materialize, measure_train
 from memsim.analysis.allocator import block_bytes
-from oracle import check, predict
 from memsim.strategies.checkpoint import apply_checkpointing
 from memsim.tracer import Category
+
+from tests.support.oracles.measure import example_inputs, materialize, measure_train
+from tests.support.predict import check, predict
 
 PREC = "bf16-true"
 H, A = 64, 4          # CPU runs (head size 16)

@@ -6,6 +6,7 @@ import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import memsim
 
@@ -85,11 +86,29 @@ def test_front_door_exports():
 
 def test_oracles_import_nothing_of_memsim():
     """The oracles (a real CPU run, real multi-rank runs, published formulas) share no code
-    with what they check."""
-    folder = os.path.join(ROOT, "tests", "oracles")
-    bad = [f"{f}:{line} imports {mod}" for f in sorted(os.listdir(folder)) if f.endswith(".py")
-           for line, mod in _imports(os.path.join(folder, f))
-           if mod.split(".")[0] in ("memsim", *BARE)]
+    with what they check: no import of memsim's packages, nor of the rest of ``tests`` (whose
+    helpers import memsim), by name or by a relative import that leaves the folder."""
+    folder = os.path.join(ROOT, "tests", "support", "oracles")
+    own = "tests.support.oracles"
+    files = sorted(os.path.join(d, f) for d, _, names in os.walk(folder) for f in names
+                   if f.endswith(".py"))
+    assert files, folder
+    bad = []
+    for path in files:
+        depth = len(Path(path).parent.relative_to(folder).parts)   # "from ." stays inside
+        tree = ast.parse(open(path).read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level > depth + 1:
+                mods = [f"{'.' * node.level}{node.module or ''} (outside the oracles)"]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                mods = [node.module]
+            else:
+                continue
+            bad += [f"{os.path.relpath(path, ROOT)}:{node.lineno} imports {mod}" for mod in mods
+                    if mod.split(".")[0] in ("memsim", *BARE) or "outside the oracles" in mod
+                    or (mod.split(".")[0] == "tests" and not (mod + ".").startswith(own + "."))]
     assert not bad, "\n".join(bad)
 
 

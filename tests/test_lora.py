@@ -5,10 +5,11 @@ bitsandbytes' ``Linear4bit``), none of memsim's layers on the real side."""
 import pytest
 import torch
 
-import zoo
-from oracle import check, predict
 from memsim.strategies.lora import LoRA, apply_lora, lora_targets, parse_lora
 from memsim.tracer import StrategyError, UsageError
+
+from tests.support import zoo
+from tests.support.predict import check, predict
 
 GPT = {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])}
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
@@ -234,7 +235,7 @@ def test_qlora_matches_real_bitsandbytes_peft_run(model, compute, tmp_path):
     4,112 B of parameters high in bf16) and peft's ``lora.Linear4bit`` forward (the base output
     cloned, the adapter's output cast before the sum)."""
     pytest.importorskip("bitsandbytes", reason="pip install -e '.[test]'")
-    from oracles.measure import example_inputs, measure_train
+    from tests.support.oracles.measure import example_inputs, measure_train
     from memsim.strategies.lora import QLoRA, apply_qlora
 
     if model == "llama":

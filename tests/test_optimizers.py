@@ -6,11 +6,11 @@ memsim's code."""
 import pytest
 import torch
 
-import zoo
-from conftest import grid
-from oracle import check, predict
 from memsim.analysis import analyze
 from memsim.tracer.optimizers import Lion, lookup, register_optimizer
+
+from tests.support import zoo
+from tests.support.predict import check, grid, predict
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 

@@ -1,20 +1,22 @@
 """FSDP2 and tensor parallelism: the prediction (PyTorch's own fully_shard / parallelize_module
-traced on a fake process group) against real 2-rank gloo runs on CPU (tests/oracles/dist.py)."""
+traced on a fake process group) against real 2-rank gloo runs on CPU
+(tests/support/oracles/dist.py)."""
 
 import functools
 
 import pytest
 import torch
 
-import oracles.dist as O
-import zoo
-from conftest import example
 from memsim.strategies import DDP, FSDP, LoRA, TensorParallel
 from memsim.strategies.api import analyze
 from memsim.render import strategy_text
 from memsim.strategies.tp import tp_plan
 from memsim.tracer import StrategyError
-from oracle import figures
+
+from tests.support import zoo
+from tests.support.examples import example
+from tests.support.oracles import dist as O
+from tests.support.predict import figures
 
 pytest.importorskip("torch.distributed.fsdp")
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}

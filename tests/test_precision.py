@@ -9,11 +9,11 @@ import pytest
 import sympy
 import torch
 
-import zoo
-from conftest import grid
-from oracle import check, predict
 from memsim.analysis import analyze
 from memsim.tracer import InputError
+
+from tests.support import zoo
+from tests.support.predict import check, grid, predict
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 MODES = ["bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16-master"]

@@ -4,7 +4,7 @@ import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oracle import check, predict
+from tests.support.predict import check, predict
 
 ACTS = [nn.ReLU, nn.GELU, nn.Tanh, nn.SiLU, lambda: nn.Dropout(0.2), nn.Identity]
 

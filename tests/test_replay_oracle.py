@@ -1,8 +1,8 @@
 """The CUDA caching-allocator replay against an independent simulation of the allocator.
 
-``tests/oracles/cuda_cache.py`` restates the rules of PyTorch's ``CUDACachingAllocator.cpp``
-and runs a training loop's steps through them, one step after another, without memsim. The
-same event streams go through memsim: single requests and frees through
+``tests/support/oracles/cuda_cache.py`` restates the rules of PyTorch's
+``CUDACachingAllocator.cpp`` and runs a training loop's steps through them, one step after another,
+without memsim. The same event streams go through memsim: single requests and frees through
 :class:`memsim.analysis.caching.CachingAllocator`, and whole steps (a traced one, and
 training steps built by hand as a trace records them) through
 :func:`memsim.analysis.reserved.replay`. Every figure must be equal: after each request; for
@@ -24,7 +24,8 @@ from memsim.analysis import reserved as R
 from memsim.analysis.caching import AllocConf, AllocatorOOM, CachingAllocator
 from memsim.analysis.reserved import replay
 from memsim.tracer import Category, Event, Phase, RunRecord, Storage
-from oracles.cuda_cache import Allocator, OutOfMemory, loop_of, steady, train
+
+from tests.support.oracles.cuda_cache import Allocator, loop_of, OutOfMemory, steady, train
 
 MiB = 1 << 20
 # simulated steps: the replay walks at most 7 (the first and 6 steady ones); the last of 12
@@ -271,7 +272,7 @@ def test_replayed_steps_match_the_simulation(run, workspace, mode):
 def _traced_mlp(point: dict):
     """zoo.MLP's CUDA training step at ``point``, and each storage's bytes there."""
     import torch
-    import zoo
+    from tests.support import zoo
 
     from memsim.analysis import analyze
     with torch.device("meta"):

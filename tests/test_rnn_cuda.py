@@ -15,10 +15,11 @@ import functools
 import pytest
 import torch
 
-import zoo
 from memsim.analysis import analyze
 from memsim.render import to_json, to_text
 from memsim.tracer.rnn_cuda import RESERVE_NOTE, reserve_bytes
+
+from tests.support import zoo
 
 TOKENS = {"x": ("int64", ["B", "S"])}
 V, D_IN, H = 50, 16, 24  # zoo.RNNSum's defaults: vocab, embedding width, hidden size

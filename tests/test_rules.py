@@ -8,14 +8,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import oracles.dist as O
-import zoo
 from memsim.analysis.gpus import GPU, register_gpu
 from memsim.strategies import FSDP, TensorParallel, analyze, register_strategy
 from memsim.strategies.ddp import DDP
 from memsim.tracer import MemsimError, StrategyError, UsageError
 from memsim.tracer.optimizers import register_optimizer
 from memsim.tracer.rules import Kind, hits, register, registered
+
+from tests.support import zoo
+from tests.support.oracles import dist as O
 
 
 def test_duplicates_are_rejected_everywhere():

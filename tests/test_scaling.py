@@ -7,13 +7,14 @@ The curve's totals are the budget's at each size; on the CPU those are real runs
 import pytest
 import torch
 
-import zoo
 from memsim.analysis import analyze
 from memsim.analysis.budget import plan
 from memsim.analysis.gpus import GPU, gpu
 from memsim.analysis.scaling import curve, sizes_for
 from memsim.cli import main
-from oracles.measure import example_inputs, materialize, measure_train
+
+from tests.support import zoo
+from tests.support.oracles.measure import example_inputs, materialize, measure_train
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 

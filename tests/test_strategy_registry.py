@@ -18,7 +18,7 @@ from memsim.strategies import base
 from memsim.strategies.base import Strategy, register_strategy
 from memsim.tracer import StepConfig
 
-MLP = ["tests.zoo:MLP", "--input", "x=float32[B,16]", "--device", "cpu", "--at", "B=4"]
+MLP = ["tests.support.zoo:MLP", "--input", "x=float32[B,16]", "--device", "cpu", "--at", "B=4"]
 
 
 @pytest.fixture
@@ -67,14 +67,14 @@ def test_a_strategy_from_its_own_file_reaches_every_front(freeze_registered, cap
     assert "strategy: frozen fc1.*; world size 1" in capsys.readouterr().out
     # memsim.analyze's keyword, the same figures; they are those of the model frozen by hand
     # and of a real step of it
-    from zoo import MLP as Net
+    from tests.support.zoo import MLP as Net
     with torch.device("meta"):
         model = Net()
     inputs = {"x": ("float32", ["B", 16])}
     by_key = memsim.analyze(model, inputs, device="cpu", freeze=Freeze("fc1.*")).at(B=4)
     assert by_key["train"]["gradients"] == doc["train"]["gradients"]["bytes"]
     assert by_key["train"]["peak"] == doc["train"]["peak"]["bytes"]
-    from oracles.measure import example_inputs, materialize, measure_train
+    from tests.support.oracles.measure import example_inputs, materialize, measure_train
     torch.manual_seed(0)
     real = materialize(Net())
     real.fc1.requires_grad_(False)

@@ -1,7 +1,7 @@
 """The step's timeline (analysis/timeline.py) and its pictures (memsim/plots.py).
 
 The data is checked against real CPU runs: the live bytes after every allocation and free of
-the predicted step are the real step's, change by change (tests/oracles/measure.py records
+the predicted step are the real step's, change by change (tests/support/oracles/measure.py records
 them). The pictures are checked by their data (series, peak marker, labels), not pixels.
 """
 
@@ -10,11 +10,12 @@ import json
 import pytest
 import torch
 
-import zoo
 from memsim.analysis import analyze
 from memsim.analysis.timeline import timeline
 from memsim.cli import main
-from oracles.measure import example_inputs, materialize, measure_train
+
+from tests.support import zoo
+from tests.support.oracles.measure import example_inputs, materialize, measure_train
 
 SEQ = {"x": ("float32", ["B", "S", 32])}
 LM = {"idx": ("int64", ["B", "S"]), "targets": ("int64", ["B", "S"])}

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oracle import check, predict
+from tests.support.predict import check, predict
 
 IMG = {"x": ("float32", ["B", 3, "H", "H"]), "y": ("float32", ["B", 3, "H", "H"])}
 # H a multiple of 4 (two poolings and two x2 upsamplings give back the input's size)

@@ -1,6 +1,6 @@
 """Each distributed mechanism once at a realistic width (Llama-2-7B's 4096 and 11008), against
-a real 2-rank gloo run on CPU (tests/oracles/dist.py): size-dependent behaviour (DDP's 25 MB
-buckets, sharding of 64-MiB matrices, the all-gather and reduce-scatter of whole layers) that
+a real 2-rank gloo run on CPU (tests/support/oracles/dist.py): size-dependent behaviour (DDP's
+25 MB buckets, sharding of 64-MiB matrices, the all-gather and reduce-scatter of whole layers) that
 the width-64 tests never reach. Every figure per
 rank: peak, parameters, gradients, optimizer states. ZeRO at DeepSpeed's default buckets is in
 tests/test_zero.py.
@@ -15,10 +15,11 @@ import functools
 import pytest
 import torch
 
-import oracles.dist as O
 from memsim.strategies import DDP, FSDP, TensorParallel
 from memsim.strategies.api import analyze
-from oracle import figures
+
+from tests.support.oracles import dist as O
+from tests.support.predict import figures
 
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
 # 2 layers of a Llama 1024 wide (8 heads of 128, MLP 2816, vocab 1000): 27.7M parameters (FSDP2

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO (DeepSpeed's own engine traced on a fake process group) against real 2- and
-4-rank DeepSpeed runs on CPU (tests/oracles/dist.py); the ZeRO paper's figures, DeepSpeed's
+4-rank DeepSpeed runs on CPU (tests/support/oracles/dist.py); the ZeRO paper's figures, DeepSpeed's
 own estimator functions, config loading, the modelled ZeRO-Offload and DDP buckets."""
 
 import json
@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-import oracles.dist as O
 from memsim.strategies import DDP, LoRA, TensorParallel, ZeRO
 from memsim.strategies.api import analyze as strategy_analyze
 from memsim.strategies.zero import load_deepspeed_config
-from oracles.papers import paper_model_states
 from memsim.tracer import StrategyError
+
+from tests.support.oracles import dist as O
+from tests.support.oracles.papers import paper_model_states
 
 
 def test_zero_paper_figure_1():
@@ -346,9 +347,9 @@ def test_zero3_on_gpu_replays_a_step_for_the_second_warm_up(monkeypatch):
     the measured step once more before the one it measures (``RunRecord.replays``), then
     again until a walk changes no figure (analysis/reserved.py, ``STEADY_WALKS``). Every
     figure then equals those of one traced warm-up alone and of two (2 of Llama-2-7B's layers,
-    bf16, 8 ranks, DeepSpeed's default buckets; ``python benchmarks/ds_warmups.py``). The
+    bf16, 8 ranks, DeepSpeed's default buckets; ``python -m benchmarks.ds_warmups``). The
     previous step's output, alive into the next forward, moves blocks for a few steps
-    (``python benchmarks/replay_walks.py``); the replay's rule for when they have settled is
+    (``python -m benchmarks.replay_walks``); the replay's rule for when they have settled is
     checked against an independent simulation of the allocator in
     tests/test_replay_oracle.py."""
     _need_deepspeed()

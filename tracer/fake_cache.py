@@ -22,7 +22,7 @@ from .recorder import as_expr, patched
 # buffers at Llama-2-7B's widths: 84%, 26.4 s with against 32.7 s without) and a driven run
 # keeps it. A loop over time steps at fixed sizes hits it too (a fitted GRU: 78%, 12-13 s with
 # against 14-16 s without), which this rule does not see. ``True``/``False`` force it either way;
-# ``python benchmarks/fake_cache.py [--deepspeed]`` times them. Where it is on, an output whose
+# ``python -m benchmarks.fake_cache [--deepspeed]`` times them. Where it is on, an output whose
 # remade storage is not the kernel's to the expression is not cached (:func:`_faithful_fake_cache`)
 # and the run is the same event for event; the cache's keys add guards of their own
 # (tests/test_symcache.py).

@@ -305,7 +305,7 @@ DEEP_STACK = 1 << 30
 def _room_for_deep_graphs() -> None:
     """Let the main thread's stack grow where a long Python loop's autograd graph is freed.
 
-    A loop over 16,384 time steps (``tests/zoo.py``'s ``Scan``) makes a chain of as many
+    A loop over 16,384 time steps (``tests/support/zoo.py``'s ``Scan``) makes a chain of as many
     autograd nodes; under the symbolic run, releasing the step's output frees that chain
     recursively in C, which overflowed Linux's default 8 MiB stack: a segmentation fault at
     S = 16,384 where a real eager run frees the same graph. Linux checks a growing main-thread

@@ -1,12 +1,18 @@
-"""Compare memsim's prediction with a real eager CPU run of the same model (the oracle)."""
+"""Compare memsim's prediction with a real eager CPU run of the same model (the oracle in
+``oracles/measure.py``): the prediction, the check at each point, the figures a report gives
+there, and the grid of points to check."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 from memsim.analysis import analyze
 from memsim.tracer import CpuIsa
-from oracles.measure import example_inputs, materialize, measure_inference, measure_train
+
+from tests.support.oracles.measure import (example_inputs, materialize, measure_inference,
+                                           measure_train)
 
 
 def predict(factory, inputs, **kw):
@@ -68,3 +74,9 @@ def figures(report, **point) -> dict:
     (:meth:`memsim.Report.for_point`)."""
     shown, at = report.for_point(point)
     return shown.at(**at)
+
+
+def grid(**axes) -> list[dict]:
+    """Every combination of the given values: grid(B=(2, 3), S=(4, 9)) -> 4 points."""
+    names = list(axes)
+    return [dict(zip(names, vals)) for vals in itertools.product(*axes.values())]
