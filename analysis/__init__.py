@@ -11,7 +11,7 @@ memory), :mod:`~memsim.analysis.budget` and :mod:`~memsim.analysis.gpus` (a step
 """
 
 from .caching import AllocConf, AllocatorOOM, CachingAllocator
-from .fit import Fit, FittedReport
+from .fitted import Fit, FittedReport
 from .memory import ModuleSaved, PeakPoint, StepMemory
 from .build import analyze, pinning_fixed
 from .explore import Retracer, cross_conditions, cross_guards, fix_inputs, for_point

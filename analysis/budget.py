@@ -242,10 +242,12 @@ class TotalModel:
         return a + sum(self.overhead(a, point).values())
 
 
-def plan(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
-         capacity: int | None = None, margin: float = 0.10,
-         overheads: Overheads | None = None, batch: str = "B", seq: str = "S") -> Budget:
-    """The budget of ``report``'s training step (or inference, if no training was analysed)."""
+def against(report, point: dict[str, int] | None, *, gpu: GPU | None = None,
+            capacity: int | None = None, margin: float = 0.10,
+            overheads: Overheads | None = None, batch: str = "B", seq: str = "S") -> Budget:
+    """The budget of ``report``'s training step (or inference, if no training was analysed)
+    at ``point``, against ``gpu`` or ``capacity`` bytes: does it fit, with what headroom, and
+    the largest batch and sequence that do."""
     if gpu is None and capacity is None:
         raise InputError("no capacity to check against", hint="give a GPU or a capacity")
     if not 0 <= margin < 1:

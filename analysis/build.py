@@ -1,6 +1,6 @@
 """Making a :class:`~memsim.analysis.Report`: :func:`analyze` traces the step (training and
 inference) and gathers the figures, notes and modules; where the model's code pins a symbol it
-fits the formulas instead (:mod:`memsim.analysis.fit`)."""
+fits the formulas instead (:mod:`memsim.analysis.fitted`)."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         across the conditions on its residues (:func:`cross_guards`: one more trace per guard).
     fit : bool
         Where the model's code pins a symbol (:class:`~memsim.tracer.SpecializationError`),
-        fit its formulas from traces with it fixed (:mod:`memsim.analysis.fit`: a
-        :class:`~memsim.analysis.fit.FittedReport`, four traces or more) instead of raising.
+        fit its formulas from traces with it fixed (:mod:`memsim.analysis.fitted`: a
+        :class:`~memsim.analysis.fitted.FittedReport`, four traces or more) instead of raising.
     points : list of dict, optional
         Points that will be asked for (``[{"B": 1, "S": 4096}]``). A size of 1 among them lies
         below every formula's range, and :meth:`Report.for_point` would trace it after this
@@ -91,7 +91,7 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
                                     source=e.source)
         if e.symbol is None:
             raise
-        from .fit import fitted
+        from .fitted import fitted
         return fitted(analyze, model, inputs, config, e, hints[e.symbol],
                       [v for k, v in hints.items() if k != e.symbol], fixed=fixed,
                       explore=explore, original=original, train=train,

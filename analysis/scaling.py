@@ -1,7 +1,7 @@
 """Memory against one size: the budget's total as the batch or the sequence grows.
 
 For one report (a configuration) and one symbol, the total of the budget
-(:func:`memsim.analysis.budget.plan`'s terms: the exact allocated peak, the replayed reserve on
+(:func:`memsim.analysis.budget.against`'s terms: the exact allocated peak, the replayed reserve on
 CUDA, the fixed overheads) at sizes spread over the symbol's range, the others held at the
 point; the regimes of the peak (where the op that reaches it changes, exactly, from the
 formula's candidates); and for each capacity, the largest size that fits (the budget's solver).

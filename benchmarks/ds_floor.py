@@ -26,7 +26,7 @@ import re
 import time
 
 from memsim.strategies import ZeRO
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 from memsim.tracer.records import OpRecord, Phase
 
 from benchmarks import scale  # the models' configs, SGD

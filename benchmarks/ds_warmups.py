@@ -27,7 +27,7 @@ import torch
 
 from memsim.analysis.reserved import replay
 from memsim.strategies import ZeRO
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 from memsim.strategies.ds_engine import DeepSpeedDriver
 
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}

@@ -65,7 +65,7 @@ def main() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import memsim.tracer.fake_cache as fake_cache
-    from memsim.strategies.api import analyze
+    from memsim.strategies.compose import analyze
 
     warm, inputs, kw, _ = cases(False)["llama-2x32-fsdp2"]()
     analyze(warm, inputs, device="cpu", inference=False, explore=False, **kw)  # first run

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from memsim.strategies import FSDP
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 from memsim.tracer import fold, trace
 from memsim.tracer.hf import adapt
 

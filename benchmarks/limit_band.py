@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 
-from memsim.analysis.budget import Overheads, TotalModel, plan
+from memsim.analysis.budget import Overheads, TotalModel, against
 from memsim.analysis.gpus import gpu
 from memsim.strategies import FSDP
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 
 from benchmarks import scale  # the models' configs
 
@@ -39,7 +39,7 @@ def main() -> None:
                      fsdp=FSDP(64, param_dtype="bfloat16"), precision="bf16-mixed",
                      inference=False)
     card = gpu("h100-80gb")
-    b = plan(report, {"B": 2, "S": 4096}, gpu=card)
+    b = against(report, {"B": 2, "S": 4096}, gpu=card)
     print(f"solver at B=2 on {card.name}: largest S that fits {b.max_seq}, without a release "
           f"of the cache {b.max_seq_no_release}")
     usable = int(card.bytes * 0.9)

@@ -9,7 +9,7 @@ weights), analysed on the meta device (``--device cpu``, fp32, AdamW, the plain 
 materialized at the same small size and run for real on the CPU
 (``tests/support/oracles/measure.py``: live tensor storages, one warm-up step). Per model it prints
 how the formulas were obtained (``traced``: symbolic in every symbol; ``fitted in S``: a symbol the
-model's code pins, fitted from traces with it fixed, see ``analysis/fit.py``), the analysis time,
+model's code pins, fitted from traces with it fixed, see ``analysis/fitted.py``), the analysis time,
 and the training and inference peaks predicted and measured at two points of sizes that were not
 traced. The table in docs/accuracy.md ("Model families") is this script's output.
 """

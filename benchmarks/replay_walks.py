@@ -20,7 +20,7 @@ from __future__ import annotations
 from memsim.analysis import reserved as R
 from memsim.analysis.reserved import replay
 from memsim.strategies import ZeRO
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 
 from benchmarks.fold_check import llama  # Llama-2-7B's widths, N layers
 

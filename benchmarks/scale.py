@@ -83,7 +83,7 @@ def points(name: str) -> list[tuple[int, int]]:
 def child_memsim(name: str, strategy: str) -> dict:
     from memsim.process import settle
     from memsim.strategies import FSDP, ZeRO
-    from memsim.strategies.api import analyze
+    from memsim.strategies.compose import analyze
     model = build(name)
     settle()    # memsim.process.settle, as the command does once its model is built
     kw = {"fsdp": dict(fsdp=FSDP(8)), "zero3": dict(zero=ZeRO(3, dp=8))}.get(strategy, {})

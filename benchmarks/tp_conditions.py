@@ -7,7 +7,7 @@ parallelism S odd too. memsim crosses them: one more trace per condition, and a 
 report where the other side's figures differ. This times ``analyze`` on a 2-layer Llama
 (hidden 64, Hugging Face's SDPA attention: ``tests/support/oracles/dist.py``'s ``llama_model``)
 over TP 2 and TP 2 with SP, and one with 8 heads (hidden 256) over TP 8 with SP (its sequence
-traced at S = 29: ``strategies/api.py``'s ``_sequence_hints``), on the CPU, with the crossing and
+traced at S = 29: ``strategies/compose.py``'s ``_sequence_hints``), on the CPU, with the crossing and
 without it (``cross_conditions`` replaced by the identity in this process), and how many points of
 the 16 of a sweep (B 1-8 x S 16-128, even and odd) each answers from its formulas, without tracing
 again. Run on demand (about two minutes on 2 cores)::
@@ -24,7 +24,7 @@ import torch
 
 from memsim.analysis import report as R
 from memsim.strategies import TensorParallel
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 
 from tests.support.oracles import dist as O  # the real runs' models
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from memsim.strategies import ZeRO
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 
 from tests.support.oracles import dist as O
 

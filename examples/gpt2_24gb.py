@@ -22,7 +22,7 @@ import torch
 import transformers
 
 import memsim
-from memsim.analysis.budget import plan
+from memsim.analysis.budget import against
 from memsim.analysis.gpus import gpu
 from memsim.render import largest, verdict
 
@@ -55,7 +55,7 @@ def main(small: bool = False) -> None:
     for label, ckpt in (("no checkpointing", None), ("checkpointing every block", "blocks")):
         report = memsim.analyze(model, INPUTS, device=c["device"], precision="bf16-mixed",
                                 keep_outputs=False, inference=False, checkpoint=ckpt)
-        bud = plan(report, pt, gpu=card, capacity=16 * 2 ** 20 if small else None)
+        bud = against(report, pt, gpu=card, capacity=16 * 2 ** 20 if small else None)
         print(f"  {label}, B={pt['B']}, S={pt['S']}: {verdict(bud)}")
         print(f"    largest batch that fits at S={pt['S']}: {largest(bud, 'batch')}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")

@@ -42,7 +42,7 @@ import torch
 import transformers
 
 import memsim
-from memsim.analysis.budget import plan
+from memsim.analysis.budget import against
 from memsim.analysis.gpus import gpu
 from memsim.render import human, largest, verdict
 
@@ -89,7 +89,7 @@ def main(small: bool = False, deepspeed: bool = False) -> None:
                                 fsdp=memsim.FSDP(dp=dp, param_dtype="bfloat16",
                                                  reduce_dtype="float32"))
     card = None if small else gpu("h100-80gb")
-    bud = plan(report, point, gpu=card, capacity=6 * 2 ** 20 if small else None)
+    bud = against(report, point, gpu=card, capacity=6 * 2 ** 20 if small else None)
     sub, pt = report.for_point(point)  # traces again where the formulas do not cover it
     f = sub.at(**pt)["train"]
     print(f"Llama: {model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, "

@@ -30,7 +30,7 @@ import torch
 import transformers
 
 import memsim
-from memsim.analysis.budget import plan
+from memsim.analysis.budget import against
 from memsim.analysis.gpus import gpu
 from memsim.render import human, largest, verdict
 
@@ -68,7 +68,7 @@ def main(small: bool = False) -> None:
         trainable = sub.at(**pt)["train"]["gradients"]
         print(f"  {label} (adapter gradients {human(trainable)}):")
         for where, cap in targets:
-            bud = plan(report, point, **cap)
+            bud = against(report, point, **cap)
             print(f"    {where}: {verdict(bud)}; largest batch at S={point['S']}: "
                   f"{largest(bud, 'batch')}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")

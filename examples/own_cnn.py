@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memsim
-from memsim.analysis.budget import plan
+from memsim.analysis.budget import against
 from memsim.analysis.gpus import gpu
 from memsim.render import largest, verdict
 
@@ -78,7 +78,7 @@ def main(small: bool = False) -> None:
           f"parameters, {c['image']}x{c['image']} images, fp32, AdamW, device {c['device']}")
     print(f"against {where}")
     for b in c["batches"]:
-        bud = plan(report, {"B": b}, gpu=card, capacity=4 * 2 ** 20 if small else None)
+        bud = against(report, {"B": b}, gpu=card, capacity=4 * 2 ** 20 if small else None)
         print(f"  B={b}: {verdict(bud)}")
     print(f"largest batch that fits at {c['image']}x{c['image']}: {largest(bud, 'batch')}")
     print(f"(analysed in {time.perf_counter() - start:.1f} s)")

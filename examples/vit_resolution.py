@@ -23,7 +23,7 @@ import torch
 import transformers
 
 import memsim
-from memsim.analysis.budget import plan
+from memsim.analysis.budget import against
 from memsim.analysis.gpus import gpu
 from memsim.render import largest, verdict
 
@@ -65,7 +65,7 @@ def main(small: bool = False) -> None:
             m = model(res, small)
         report = memsim.analyze(m, inputs(res), device=c["device"], precision="bf16-mixed",
                                 inference=False)
-        bud = plan(report, {"B": c["batch"]}, gpu=card, capacity=2 * 2 ** 20 if small else None)
+        bud = against(report, {"B": c["batch"]}, gpu=card, capacity=2 * 2 ** 20 if small else None)
         tokens = (res // v["patch_size"]) ** 2 + 1
         print(f"  {res}x{res} ({tokens} tokens): {verdict(bud)}; largest batch: "
               f"{largest(bud, 'batch')}")

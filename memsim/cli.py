@@ -169,9 +169,9 @@ def _execute(args, prep: dict, fit: bool = False):
         shown, spoint = (report.view() if hasattr(report, "view") else report), None
     budget = None
     if setup is not None:
-        from memsim.analysis.budget import plan
+        from memsim.analysis.budget import against
         device, cap, overheads = setup
-        budget = plan(report, point, gpu=device, capacity=cap, margin=args.margin,
+        budget = against(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
     return report, point, shown, spoint, budget, setup
 

@@ -7,7 +7,7 @@ plan), :mod:`~memsim.strategies.tp` (tensor parallelism) and :mod:`~memsim.strat
 (FSDP2), both with PyTorch's own code on the fake process group of
 :mod:`~memsim.strategies.mesh`, :mod:`~memsim.strategies.zero` (DeepSpeed ZeRO with DeepSpeed's
 own engine, :mod:`~memsim.strategies.ds_engine`), :mod:`~memsim.strategies.ddp` (DDP's buckets).
-:func:`analyze` composes them (:mod:`~memsim.strategies.api`).
+:func:`analyze` composes them (:mod:`~memsim.strategies.compose`).
 
 >>> from memsim.strategies import FSDP, LoRA, TensorParallel, ZeRO, DDP
 >>> ZeRO(stage=3, dp=64).overlap
@@ -23,7 +23,7 @@ from .tp import TensorParallel
 from .fsdp import FSDP
 from .zero import ZeRO
 from .ddp import DDP
-from .api import (add_strategy_options, analyze, given_strategies, strategies_from_options,
+from .compose import (add_strategy_options, analyze, given_strategies, strategies_from_options,
                   world_size)
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from memsim.analysis.budget import Overheads, plan
+from memsim.analysis.budget import Overheads, against
 from memsim.analysis.gpus import gpu, load_catalog, parse_memory
 from memsim.cli import main
 from memsim.tracer import InputError, UsageError
@@ -34,7 +34,7 @@ def test_limits_fit_and_next_size_does_not_real_run(solve):
     # a capacity that the real run at the target size just exceeds
     target = {**point, solve: 9}
     cap = _measured_peak(zoo.Block, SEQ, target) - 1
-    b = plan(report, point, capacity=cap, margin=0.0)
+    b = against(report, point, capacity=cap, margin=0.0)
     ans = b.max_batch if solve == "B" else b.max_seq
     assert ans == 8
     assert _measured_peak(zoo.Block, SEQ, {**point, solve: ans}) <= cap
@@ -48,9 +48,9 @@ def test_limit_below_the_formula_range_uses_the_size_one_trace():
     report = predict(zoo.MLP, {"x": ("float32", ["B", 16])}, inference=False)
     sub, pt = report.for_point({"B": 1})
     one = sub.at(**pt)["train"]["peak"]
-    b = plan(report, {"B": 4}, capacity=one, margin=0.0)
+    b = against(report, {"B": 4}, capacity=one, margin=0.0)
     assert b.max_batch == 1 and not b.fits
-    b = plan(report, {"B": 4}, capacity=one - 1, margin=0.0)
+    b = against(report, {"B": 4}, capacity=one - 1, margin=0.0)
     assert b.max_batch == 0
 
 
@@ -69,7 +69,7 @@ def test_margin_headroom_and_overheads_on_cuda():
     r = analyze(m, SEQ, device="cuda", inference=False)
     h100 = gpu("H100 80GB")
     ctx, ws = 100 * 2 ** 20, 33 * 2 ** 20  # cuBLAS 32 MiB (sm90: 4096 KiB * 8) + cuBLASLt 1 MiB
-    b = plan(r, {"B": 4, "S": 64}, gpu=h100, overheads=Overheads(cuda_context=ctx))
+    b = against(r, {"B": 4, "S": 64}, gpu=h100, overheads=Overheads(cuda_context=ctx))
     capacity = 81559 * 2 ** 20  # H100 80GB: 81,559 MiB (nvidia-smi)
     usable = int(capacity * (1 - 0.10))  # the default margin
 
@@ -94,7 +94,7 @@ def test_margin_headroom_and_overheads_on_cuda():
     assert replayed(4, b.max_seq).oom is None and total(4, b.max_seq) <= usable
     assert replayed(4, b.max_seq + 1).oom is not None
     # --fragmentation is a margin of the user's own on top of the replayed reserve
-    b5 = plan(r, {"B": 4, "S": 64}, gpu=h100,
+    b5 = against(r, {"B": 4, "S": 64}, gpu=h100,
               overheads=Overheads(cuda_context=ctx, fragmentation=0.05))
     assert b5.total == b.total + int(b.allocated * 0.05)
 
@@ -118,7 +118,7 @@ def test_the_cache_is_confined_to_the_budget_not_the_card():
     assert free.reserved - free.allocated > 20 * 2 ** 20 and not free.retries
     # the budget 10 MiB below the whole card's reserve (which needs 228 MiB of its 248)
     capacity = int((free.reserved - 10 * 2 ** 20 + ctx) / 0.9) + 1
-    b = plan(r, {"B": 4, "S": 1000}, capacity=capacity,
+    b = against(r, {"B": 4, "S": 1000}, capacity=capacity,
              overheads=Overheads(cuda_context=ctx, cublas_workspace=ws))
     assert b.reserved_card == free.reserved > int(capacity * 0.9) - ctx
     assert b.fits and b.replay.retries and b.reserved < free.reserved
@@ -203,7 +203,7 @@ def test_conv_batch_past_the_backend_guard():
     report = predict(zoo.CNN, img, inference=False)
     assert report.ranges["B"] == (2, None) and report.checked == {"B": (5, 17)}
     cap = _measured_peak(zoo.CNN, img, {"B": 40}) - 1
-    b = plan(report, {"B": 4}, capacity=cap, margin=0.0)
+    b = against(report, {"B": 4}, capacity=cap, margin=0.0)
     assert b.max_batch == 39
     assert _measured_peak(zoo.CNN, img, {"B": 39}) <= cap < _measured_peak(zoo.CNN, img,
                                                                             {"B": 40})

@@ -317,13 +317,13 @@ def test_budget_runs_out_of_memory_in_the_replay(capsys):
     import json
     from tests.support import zoo
 
-    from memsim.analysis.budget import Overheads, plan
+    from memsim.analysis.budget import Overheads, against
     r = _cuda_report(zoo.Block, SEQ)
-    base = plan(r, {"B": 4, "S": 64}, capacity=2 ** 40, margin=0.0,
+    base = against(r, {"B": 4, "S": 64}, capacity=2 ** 40, margin=0.0,
                 overheads=Overheads(cuda_context=0, cublas_workspace=0))
     assert base.reserved > base.allocated
     cap = base.allocated + (base.reserved - base.allocated) // 2
-    b = plan(r, {"B": 4, "S": 64}, capacity=cap, margin=0.0,
+    b = against(r, {"B": 4, "S": 64}, capacity=cap, margin=0.0,
              overheads=Overheads(cuda_context=0, cublas_workspace=0))
     assert not b.fits and b.reserved is None and b.replay.oom is not None
     assert b.total > cap

@@ -244,7 +244,7 @@ def test_blocks_plan_equals_hugging_faces_own_checkpointing():
     keys and values to the cache again and the cache kept the recomputed graph to the end of
     backward (Llama-2-7B, FSDP2 dp 8, B 8, S 2048: 49.30 GiB, 20.64 without)."""
     hf = pytest.importorskip("tests.support.hf_models")
-    from memsim.strategies.api import analyze
+    from memsim.strategies.compose import analyze
 
     def hf_checkpointed():
         m = hf.llama()

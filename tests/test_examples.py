@@ -167,7 +167,7 @@ def _configurations(name: str) -> list[tuple]:
 def test_largest_batch_equals_real_cpu_runs(name):
     """Every largest batch a CPU small form prints is the one real CPU runs of the same step
     give: at that batch the real peak is within the usable budget (the printed budget less the
-    10% margin plan() keeps by default), and at one more it is not (the peak grows with B)."""
+    10% margin against() keeps by default), and at one more it is not (the peak grows with B)."""
     out = _run(name)
     budget = int(re.search(r"against a (\d+) MiB budget", out)[1]) * 2 ** 20
     usable = int(budget * 0.9)

@@ -1,5 +1,5 @@
 """A symbol the model's code pins: formulas fitted from traces with it fixed
-(memsim.analysis.fit), compared with real eager CPU runs at sizes that were not traced."""
+(memsim.analysis.fitted), compared with real eager CPU runs at sizes that were not traced."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from memsim.analysis.fit import FittedReport, fit_windows
+from memsim.analysis.fitted import FittedReport, fit_windows
 
 from tests.support import zoo
 from tests.support.oracles.measure import (example_inputs, materialize, measure_inference,

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from memsim.strategies import DDP, FSDP, LoRA, TensorParallel
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 from memsim.tracer import fold, fold_stack, trace
 from memsim.tracer.hf import adapt
 

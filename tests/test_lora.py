@@ -285,7 +285,7 @@ def test_lora_on_a_layer_read_by_its_weight_matches_real_peft_run():
     attribute 'weight'": PaliGemma and Gemma 3 under LoRA)."""
     lora = LoRA(r=4, targets=("out_proj", "fc"))
     x = {"x": ("float32", ["B", "S", 16])}
-    from memsim.strategies.api import analyze
+    from memsim.strategies.compose import analyze
     with torch.device("meta"):
         model = _PoolingHead()
     report = analyze(model, x, device="cpu", inference=False, lora=lora)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memsim.strategies import DDP, FSDP, LoRA, TensorParallel
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 from memsim.render import strategy_text
 from memsim.strategies.tp import tp_plan
 from memsim.tracer import StrategyError
@@ -472,8 +472,8 @@ def test_sequence_parallel_over_many_ranks_traces_a_sequence_longer_than_the_ran
     """At the default example size S = 7, a sequence split over 8 ranks leaves each rank one
     token or none: a code path whose formulas held up to S = 7 only, so every S people run was
     traced again at its size. Under SP over t ranks the sequence's symbol gets a prime above 3t
-    (29 for t = 8; 7, the default, for t = 2); a size given stays (strategies/api.py)."""
-    from memsim.strategies.api import _sequence_hints
+    (29 for t = 8; 7, the default, for t = 2); a size given stays (strategies/compose.py)."""
+    from memsim.strategies.compose import _sequence_hints
     from memsim.tracer import StepConfig
     cfg = StepConfig(device="cpu")
     assert _sequence_hints(cfg, LM, TensorParallel(8, sequence_parallel=True)).hints == {"S": 29}

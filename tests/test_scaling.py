@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memsim.analysis import analyze
-from memsim.analysis.budget import plan
+from memsim.analysis.budget import against
 from memsim.analysis.gpus import GPU, gpu
 from memsim.analysis.scaling import curve, sizes_for
 from memsim.cli import main
@@ -34,7 +34,7 @@ def test_cpu_curve_is_real_peaks_and_the_solvers_answer():
         torch.manual_seed(0)
         real = measure_train(materialize(zoo.Block()), example_inputs(SEQ, {"B": 2, "S": v}))
         assert total == real.peak
-    assert c.fits["small"] == plan(r, {"B": 2, "S": 16}, capacity=2 * 2 ** 20,
+    assert c.fits["small"] == against(r, {"B": 2, "S": 16}, capacity=2 * 2 ** 20,
                                    margin=0.0).max_seq
 
 
@@ -46,8 +46,8 @@ def test_cuda_curve_is_the_budgets_total_and_regimes():
     assert 64 in sizes and sizes == sorted(sizes) and len(sizes) <= 12
     c = curve(r, point, "S", sizes=sizes, capacities={"H100": h100}, gpu=h100)
     for v, total in zip(c.sizes, c.totals):
-        assert total == plan(r, {**point, "S": v}, gpu=h100).total
-    assert c.fits["H100"] == plan(r, point, gpu=h100).max_seq
+        assert total == against(r, {**point, "S": v}, gpu=h100).total
+    assert c.fits["H100"] == against(r, point, gpu=h100).max_seq
     sub, spt = r.for_point(point)
     assert c.regimes == [(v, str(k.label)) for v, k in sub.train.regimes("S", spt)]
 

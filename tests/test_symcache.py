@@ -13,7 +13,7 @@ from torch.fx.experimental import sym_node
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from memsim.strategies import FSDP
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 from memsim.tracer import fold, trace
 from memsim.tracer.hf import adapt
 from memsim.tracer.symcache import remembered

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from memsim.strategies import DDP, FSDP, TensorParallel
-from memsim.strategies.api import analyze
+from memsim.strategies.compose import analyze
 
 from tests.support.oracles import dist as O
 from tests.support.predict import figures

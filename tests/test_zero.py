@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memsim.strategies import DDP, LoRA, TensorParallel, ZeRO
-from memsim.strategies.api import analyze as strategy_analyze
+from memsim.strategies.compose import analyze as strategy_analyze
 from memsim.strategies.zero import load_deepspeed_config
 from memsim.tracer import StrategyError
 
