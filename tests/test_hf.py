@@ -127,6 +127,7 @@ def test_longformer_matches_real_run():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_qwen3_next_matches_real_run():
     """linalg.solve_triangular's meta kernel fails on symbolic sizes (a rule makes its
     output); where S is a multiple of the chunk, F.pad pads nothing and ATen returns a clone
@@ -172,6 +173,7 @@ def _image_then_text(pt: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("factory", [llava, paligemma], ids=["llava", "paligemma"])
 def test_vision_language_model_matches_real_run(factory):
     """A vision-language model checks that its input ids hold as many image tokens as its
@@ -454,6 +456,7 @@ def bigbird():
         attention_type="block_sparse"))
 
 
+@pytest.mark.heavy
 def test_a_model_that_changes_itself_is_traced_as_given_every_time():
     """BigBird's forward replaces its attention modules with full attention the first time it
     sees a short sequence, and keeps them: memsim's first trace (S = 7) made every later trace

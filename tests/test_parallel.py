@@ -429,6 +429,7 @@ def _torch_sp_plan() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("attn", ["sdpa"])   # eager too once: equal (the suite's budget)
 def test_sequence_parallel_llama_matches_real_gloo_run(attn):
     """TP 2 with sequence parallelism. At an even S both ranks hold S/2 tokens and are equal;
@@ -446,6 +447,7 @@ def test_sequence_parallel_llama_matches_real_gloo_run(attn):
         assert (real[0].peak > real[1].peak) == bool(s % 2)
 
 
+@pytest.mark.heavy
 def test_parity_conditions_of_tensor_parallelism_are_crossed():
     """DTensor shards a dimension evenly or not: at the odd example sizes (B = 5, S = 7) the
     traces assumed ``Ne(Mod(B, 2), 0)`` (TP: the reshape around each linear layer) and, with
@@ -494,6 +496,7 @@ def _llama_8_heads():
         num_key_value_heads=8, vocab_size=256))
 
 
+@pytest.mark.heavy
 def test_a_regime_past_a_guard_crosses_its_own_parity_conditions():
     """TP 8 + SP on a 1-layer Llama with 8 heads, traced at S = 29: the formulas hold for
     B <= 7 (a guard of the code path; past it, a regime traced at B = 11, S = 29), and S that 8
@@ -591,6 +594,7 @@ def test_rank_classes_work_out_each_kind_of_parameter_once_per_place_on_the_mesh
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_vocab_parallel_embedding_per_rank_real_run():
     """A vocabulary of 131 split over 2 ranks (66 + 65 rows, a vocab-parallel embedding) with
     the Llama plan. DTensor scatters the table padded, so rank 1's 65 rows are a view of a

@@ -312,6 +312,7 @@ def _traces():
     analyze(mlp, {"input": ("float32", ["B", 64])}, device="cpu", fsdp=FSDP(2), inference=False)
 
 
+@pytest.mark.heavy
 def test_every_aten_and_function_rule_is_reached():
     reached = _reached(_traces)
     for r in registered(Kind.ATEN) + registered(Kind.FUNCTION):
