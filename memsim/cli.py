@@ -20,8 +20,8 @@ from memsim.analysis import analyze
 from memsim.tracer import MemsimError, StepConfig, UsageError, parse_assignments, parse_input
 
 from .options import (alloc_conf, budget_setup, check_point, compiled_hints, config_args,
-                      file_option, join_configs, parser, size_range, step_options,
-                      strategy_options)
+                      file_option, input_options, join_configs, parser, size_range,
+                      step_options, strategy_options)
 from .outputs import write_html, write_plot, write_timeline
 from .render import budget_text, to_json, to_text
 from .target import load_target
@@ -120,10 +120,7 @@ def _analysis(args, fit: bool = False):
 
 def _prepare(args) -> dict:
     """Every option checked, nothing traced yet."""
-    if not args.input:
-        raise UsageError("no --input given",
-                         hint="name each tensor forward takes, e.g. --input input_ids=int64[B,S]")
-    specs = [parse_input(s) for s in args.input]
+    specs = [parse_input(s) for s in input_options(args)]
     point = parse_assignments(args.at, "--at") if args.at else None
     check_point(point, specs)
     step = step_options(args)
@@ -149,7 +146,7 @@ def _prepare(args) -> dict:
 def _execute(args, prep: dict, fit: bool = False):
     specs, point, setup = prep["specs"], prep["point"], prep["setup"]
     strategy, config = prep["strategy"], prep["config"]
-    model = load_target(args.target)
+    model = load_target(args.target, args.hf_class)
     from memsim.analysis import pinning_fixed
     from memsim.strategies import analyze as analyze_with
     kw = dict(strategy, train=not args.inference,
@@ -216,8 +213,7 @@ def _checkpoint(args) -> int:
     from memsim.strategies import checkpoint as ck
     from .render_checkpoint import checkpoint_json, checkpoint_text
 
-    if not args.input:
-        raise UsageError("no --input given", hint="e.g. --input input_ids=int64[B,S]")
+    inputs = input_options(args)
     if args.compiled:
         raise UsageError("memsim checkpoint does not take --compiled: its peaks with "
                          "checkpointed regions are within -4.4%..+8.2% of real compiled runs, too "
@@ -228,7 +224,7 @@ def _checkpoint(args) -> int:
     if strategy_options(args, step):
         raise UsageError("memsim checkpoint does not take strategy options yet",
                          hint="use memsim analyze ... --checkpoint PLAN with --fsdp/--tp/--lora")
-    specs = {s.name: s for s in (parse_input(t) for t in args.input)}
+    specs = {s.name: s for s in (parse_input(t) for t in inputs)}
     point = parse_assignments(args.at, "--at") if args.at else None
     setup = None if args.budget else budget_setup(args, point)
     if args.plan == "optimal" and setup is None and not args.budget:
@@ -241,7 +237,7 @@ def _checkpoint(args) -> int:
     if args.plan == "optimal" and point is None:
         raise UsageError("--plan optimal needs a point", hint="give --at B=...,S=...")
     config = StepConfig(**step)
-    model = load_target(args.target)
+    model = load_target(args.target, args.hf_class)
     base = analyze(model, specs, config, inference=False)
     budget = parse_memory(args.budget) if args.budget else None
     if setup is not None:

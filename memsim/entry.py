@@ -88,10 +88,14 @@ def _versions() -> dict:
 
 
 def _paths_in(argv: list[str]) -> list[str]:
-    """The words of the command line that name files (the target before its ``:NAME``)."""
+    """The words of the command line that name files (the target before its ``:NAME``; an
+    ``hf:`` target's configuration, or a folder's ``config.json``)."""
     out = []
     for word in argv:
-        for part in (word, word.split("=", 1)[-1], word.rsplit(":", 1)[0]):
+        hf = word[3:] if word.startswith("hf:") else ""
+        if hf and os.path.isdir(hf):
+            hf = os.path.join(hf, "config.json")
+        for part in (word, word.split("=", 1)[-1], word.rsplit(":", 1)[0], hf):
             if part and os.path.isfile(part):
                 out.append(os.path.abspath(part))
                 break

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import copy
 import shlex
+import sys
 
 from memsim.tracer import StepConfig, UsageError
 from memsim.tracer.errors import did_you_mean
 
-__all__ = ["parser", "add_common", "join_configs", "step_options", "check_point", "strategy_options",
+__all__ = ["parser", "add_common", "join_configs", "input_options", "step_options", "check_point", "strategy_options",
            "compiled_hints", "budget_setup", "alloc_conf", "file_option", "size_range",
            "config_args", "SHARED"]
 
@@ -34,11 +35,31 @@ def join_configs(argv: list[str]) -> list[str]:
     return out
 
 
+def input_options(args) -> list[str]:
+    """``--input`` as given; for an ``hf:`` target given none, its defaults (said on stderr)."""
+    if args.input:
+        return args.input
+    from .target import HF, default_inputs
+    if args.target.startswith(HF):
+        got = default_inputs(args.target, args.hf_class)
+        if got:
+            print(f"memsim: inputs {' '.join('--input ' + i for i in got)} (the defaults of "
+                  "a Hugging Face model; give --input to change them)", file=sys.stderr)
+            return got
+    raise UsageError("no --input given",
+                     hint="name each tensor forward takes, e.g. --input input_ids=int64[B,S]")
+
+
 def add_common(a: argparse.ArgumentParser) -> None:
-    a.add_argument("target", help="path/to/file.py:NAME or package.module:NAME")
+    a.add_argument("target", help="path/to/file.py:NAME, package.module:NAME, or "
+                                  "hf:path/to/config.json (a Hugging Face model from its "
+                                  "configuration)")
     a.add_argument("--input", action="append", default=[], metavar="NAME=DTYPE[DIMS]",
                    help="a tensor input, e.g. input_ids=int64[B,S] (repeat per input)")
     a.add_argument("--at", metavar="B=4,S=2048", help="evaluate every formula at this point")
+    a.add_argument("--hf-class", metavar="NAME",
+                   help="with an hf: target, the transformers class to build (default: the "
+                        "configuration's architectures)")
     s = a.add_argument_group("the step (memsim.StepConfig)")
     for _, opt, default in StepConfig.cli_options():
         s.add_argument(opt.flag, help=opt.help, **({} if opt.argparse.get("action") else
@@ -240,7 +261,7 @@ def size_range(text: str, plan: str):
     return name.strip(), lo_v, hi_v
 
 
-SHARED = {"target", "input", "at", "gpu", "memory", "gpu_file", "json", "margin", "hint",
+SHARED = {"target", "hf_class", "input", "at", "gpu", "memory", "gpu_file", "json", "margin", "hint",
            "batch_symbol", "seq_symbol", "compiled", "plot", "timeline", "html", "no_fold",
            "no_cache"}
 
