@@ -258,7 +258,7 @@ def _checkpoint(args) -> int:
                                   base=base)
     rank = ck.ranking(base)
     if args.json:
-        doc = checkpoint_json(base, result, rank, point, budget)
+        doc = checkpoint_json(base, result, rank, point, budget, ck.plan_conditions(model))
         if args.plan == "optimal":
             doc["search"] = args.search
         if bands is not None:
@@ -266,7 +266,8 @@ def _checkpoint(args) -> int:
                              "plan": list(b.plan)} for b in bands]
         print(json.dumps(doc, indent=2))
     else:
-        text = checkpoint_text(base, result, rank, point, budget, args.plan, top=args.top)
+        text = checkpoint_text(base, result, rank, point, budget, args.plan, top=args.top,
+                               conditions=ck.plan_conditions(model))
         if bands is not None:
             from .render_checkpoint import bands_text
             text += "\n\n" + bands_text(bands, rng, budget, len(ck.blocks(model)))

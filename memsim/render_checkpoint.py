@@ -13,8 +13,9 @@ from .formats import at_cells, figure_json, flops_text, formula, human, short, v
 __all__ = ["checkpoint_json", "checkpoint_text", "bands_text"]
 
 
-def checkpoint_json(base: Report, result, ranking, point, budget) -> dict:
-    """``memsim checkpoint --json`` (docs/json.md)."""
+def checkpoint_json(base: Report, result, ranking, point, budget, conditions=()) -> dict:
+    """``memsim checkpoint --json`` (docs/json.md); ``conditions``: what the plan's figures
+    assume of the user's code."""
     doc: dict = {"memsim": VERSION, "device": base.device, "precision": base.precision,
                  "symbols": list(base.symbols), "at": dict(point) if point else None,
                  "budget": budget, "fits": None, "plan": None}
@@ -27,6 +28,7 @@ def checkpoint_json(base: Report, result, ranking, point, budget) -> dict:
         return doc
     t = result.report.train
     doc["plan"] = list(result.plan)
+    doc["conditions"] = list(conditions) if result.plan else []
     doc["train"] = {f: figure_json(t, getattr(t, f), point) for f in TRAIN_FIELDS}
     doc["recompute_flops"] = figure_json(t, result.recompute_flops, point)
     doc["step_flops"] = figure_json(t, result.step_flops, point)
@@ -35,8 +37,10 @@ def checkpoint_json(base: Report, result, ranking, point, budget) -> dict:
     return doc
 
 
-def checkpoint_text(base: Report, result, ranking, point, budget, plan: str, top: int = 10) -> str:
-    """The ranking of layers worth checkpointing and the chosen plan's effect."""
+def checkpoint_text(base: Report, result, ranking, point, budget, plan: str, top: int = 10,
+                    conditions=()) -> str:
+    """The ranking of layers worth checkpointing and the chosen plan's effect, with what its
+    figures assume (``conditions``)."""
     bstep = base.train
     out = [f"memsim {VERSION} — checkpointing, device modelled: {base.device}; precision "
            f"{base.precision}" + (f"; at {', '.join(f'{k}={v}' for k, v in point.items())}"
@@ -87,6 +91,7 @@ def checkpoint_text(base: Report, result, ranking, point, budget, plan: str, top
     if names:
         out += ["", "Apply it:", "    from memsim.strategies.checkpoint import apply_checkpointing",
                 f"    apply_checkpointing(model, {names!r})"]
+        out += ["", "These figures assume:"] + [f"  - {c}" for c in conditions]
     return "\n".join(out)
 
 

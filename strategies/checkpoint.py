@@ -228,6 +228,18 @@ def checkpointed(model: torch.nn.Module, plan: list[str]):
         remove_checkpointing(model)
 
 
+def plan_conditions(model: torch.nn.Module) -> list[str]:
+    """What a checkpoint plan's figures assume of the user's code: how each module is
+    checkpointed, and a Hugging Face model's KV cache off."""
+    out = ["each module of the plan runs its forward under torch.utils.checkpoint.checkpoint("
+           "use_reentrant=False), as apply_checkpointing(model, plan) wraps it"]
+    if getattr(getattr(model, "config", None), "use_cache", None) is True:
+        out.append("the Hugging Face model's KV cache is off (config.use_cache = False), as "
+                   "apply_checkpointing and the model's own gradient_checkpointing_enable() "
+                   "set it; checkpointing with the cache on holds the cache too")
+    return out
+
+
 def step_flops(step) -> sympy.Expr:
     """FLOPs of the step's ops (forward, loss, backward, optimizer), torch's flop formulas."""
     return sympy.expand(sympy.Add(*[r.flops for r in step.trace.run.ops

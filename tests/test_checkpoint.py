@@ -194,7 +194,9 @@ def test_cli_checkpoint_json(capsys):
     assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["plan"] == ["h.0", "h.1"]
-    assert set(doc) >= {"plan", "train", "recompute_flops", "step_flops"}
+    assert set(doc) >= {"plan", "train", "recompute_flops", "step_flops", "conditions"}
+    # what the figures assume: the checkpoint's flavour; no KV cache here (not Hugging Face)
+    assert len(doc["conditions"]) == 1 and "use_reentrant=False" in doc["conditions"][0]
     # Recomputed in backward, per block (d 32, B*S = 32 tokens, torch.utils.flop_counter's
     # 2*m*n*k per matmul): c_attn 2*32*32*96 = 196,608, c_proj 2*32*32*32 = 65,536, mlp's first
     # Linear 2*32*32*128 = 262,144; not its last Linear, whose output nothing saves (the

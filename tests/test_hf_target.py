@@ -72,3 +72,18 @@ def test_an_answer_kept_for_a_config_depends_on_its_content(llama_config):
     want = [str((folder / "config.json").resolve())]
     assert entry._paths_in(["analyze", f"hf:{folder}"]) == want
     assert entry._paths_in(["analyze", f"hf:{folder / 'config.json'}"]) == want
+
+
+def test_a_checkpoint_plan_states_the_kv_cache_it_assumes(llama_config, capsys):
+    """A Hugging Face model's plan is exact with its KV cache off, as apply_checkpointing sets
+    it (tests/test_checkpoint.py measures how much more a real run holds with it on): the text
+    and the JSON say so."""
+    _, folder = llama_config
+    args = ["checkpoint", f"hf:{folder}", "--device", "cpu", "--at", "B=2,S=8", "--plan", "blocks"]
+    assert main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["plan"] == ["model.layers.0", "model.layers.1"]
+    assert any("KV cache is off" in c for c in doc["conditions"])
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "These figures assume:" in text and "use_cache = False" in text
