@@ -10,7 +10,8 @@ memory), :mod:`~memsim.analysis.budget` and :mod:`~memsim.analysis.gpus` (a step
 :mod:`~memsim.analysis.search` (monotone searches).
 """
 
-from .caching import AllocConf, AllocatorOOM, CachingAllocator
+from .alloc_conf import AllocConf
+from .caching import AllocatorOOM, CachingAllocator
 from .fitted import Fit, FittedReport
 from .memory import ModuleSaved, PeakPoint, StepMemory
 from .build import analyze, pinning_fixed

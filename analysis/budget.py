@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from memsim.tracer import InputError
 
-from .caching import AllocConf
+from .alloc_conf import AllocConf
 from .gpus import GPU, MiB
 from .reserved import Reserved, replay
 from .search import largest_true, last_true

@@ -33,7 +33,8 @@ import sympy
 
 from memsim.tracer import Category, Phase
 
-from .caching import AllocConf, AllocatorOOM, CachingAllocator
+from .alloc_conf import AllocConf
+from .caching import AllocatorOOM, CachingAllocator
 from .memory import live_at
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from memsim.tracer import Category
 
 from .allocator import block_bytes_of
-from .caching import AllocConf
+from .alloc_conf import AllocConf
 from .memory import PeakPoint, peak_point_of, live_at
 from .reserved import replay, sizes_at, timeline_edit, walk_events
 

@@ -165,7 +165,7 @@ def llama_2_7b(layers: int, op_sac: bool) -> torch.nn.Module:
 
 def run(plan: str, layers: int, loop: str, checkout: str | None = None
         ) -> tuple[float, dict, float]:
-    from memsim.analysis.caching import AllocConf
+    from memsim.analysis.alloc_conf import AllocConf
     from memsim.analysis.reserved import replay
     from memsim.strategies import FSDP, analyze
 

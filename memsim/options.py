@@ -219,7 +219,7 @@ def budget_setup(args, point):
 
 def alloc_conf(args):
     """``--alloc-conf`` parsed (None: PyTorch's defaults); refused off CUDA."""
-    from memsim.analysis.caching import AllocConf
+    from memsim.analysis.alloc_conf import AllocConf
     if args.alloc_conf and args.device != "cuda":
         raise UsageError("--alloc-conf configures the CUDA caching allocator",
                          hint="it applies with --device cuda (the default)")

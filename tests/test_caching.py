@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from memsim.analysis.caching import (AllocConf, AllocatorOOM, CachingAllocator, MiB,
-                                     _roundup_power2)
+from memsim.analysis.alloc_conf import AllocConf, MiB, roundup_power2
+from memsim.analysis.caching import AllocatorOOM, CachingAllocator
 from memsim.tracer import InputError
 
 M = MiB
@@ -25,8 +25,8 @@ def test_round_size_512_byte_blocks():
 
 def test_roundup_power2_divisions():
     # roundup_power2_next_division(1200, 4): between 1024 and 2048, steps of 256 -> 1280
-    assert _roundup_power2(1200, 4) == 1280
-    assert _roundup_power2(4096, 4) == 4096  # a power of two stays
+    assert roundup_power2(1200, 4) == 1280
+    assert roundup_power2(4096, 4) == 4096  # a power of two stays
     c = AllocConf.parse("roundup_power2_divisions:4")
     # round_size applies it only above 512 * divisions = 2048 B: 1200 -> 1536 (512 rounding)
     assert c.round_size(1200) == 1536

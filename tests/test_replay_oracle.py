@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from memsim.analysis import reserved as R
-from memsim.analysis.caching import AllocConf, AllocatorOOM, CachingAllocator
+from memsim.analysis.alloc_conf import AllocConf
+from memsim.analysis.caching import AllocatorOOM, CachingAllocator
 from memsim.analysis.reserved import replay
 from memsim.tracer import Category, Event, Phase, RunRecord, Storage
 

@@ -334,7 +334,7 @@ def test_zero_offload_splits_device_and_host_on_gpu():
     # the caching allocator replay of DeepSpeed's loop runs its traced warm-up steps first;
     # with expandable segments (every block split to its request) the measured step's
     # allocated peak in the replay is the traced device peak exactly
-    from memsim.analysis.caching import AllocConf
+    from memsim.analysis.alloc_conf import AllocConf
     from memsim.analysis.reserved import replay
     assert sub.train.trace.run.warmed
     rr = replay(sub.train, pt, conf=AllocConf.parse("expandable_segments:True"))
