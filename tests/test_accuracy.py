@@ -168,7 +168,7 @@ def test_lstm_workspace_formula_equals_the_kernel():
     import random
 
     import torch
-    from memsim.tracer.kernels import lstm_workspace_bytes
+    from memsim.tracer.rnn_cpu import lstm_workspace_bytes
     rng = random.Random(0)
     sizes = [(1, 1, 8, 8), (2, 17, 32, 64), (3, 4, 64, 64), (4, 8, 100, 256), (1, 300, 7, 5)]
     sizes += [(rng.randint(1, 16), rng.randint(1, 64), rng.randint(1, 130), rng.randint(1, 130))

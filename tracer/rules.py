@@ -126,8 +126,8 @@ def registered(kind: Kind | None = None) -> list[Rule]:
 
 
 # the modules that register the built-in entries, each next to the code that applies them
-_BUILTIN = (".kernels", ".cuda", ".rnn_cuda", ".functions", ".precision", ".compiled",
-            ".recorder")
+_BUILTIN = (".kernels", ".rnn_cpu", ".cuda", ".rnn_cuda", ".functions", ".precision",
+            ".compiled", ".recorder")
 
 
 def hits() -> Counter:
