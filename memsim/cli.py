@@ -17,11 +17,11 @@ import sys
 import torch
 
 from memsim.analysis import analyze
+from memsim.strategies import strategies_from_options
 from memsim.tracer import MemsimError, StepConfig, UsageError, parse_assignments, parse_input
 
 from .options import (alloc_conf, budget_setup, check_point, compiled_hints, config_args,
-                      file_option, input_options, join_configs, parser, size_range,
-                      step_options, strategy_options)
+                      file_option, input_options, join_configs, parser, size_range)
 from .outputs import write_html, write_plot, write_timeline
 from .render import budget_text, to_json, to_text
 from .target import load_target
@@ -123,14 +123,14 @@ def _prepare(args) -> dict:
     specs = [parse_input(s) for s in input_options(args)]
     point = parse_assignments(args.at, "--at") if args.at else None
     check_point(point, specs)
-    step = step_options(args)
+    step = StepConfig.from_options(args)
     setup = budget_setup(args, point)
     drawn = [file_option(args, "timeline", point), file_option(args, "plot", point),
              file_option(args, "html", point, (".html", ".htm"), "not an .html file",
                           "e.g. --html report.html")]
     if drawn[0] or drawn[2]:
         alloc_conf(args)   # the timeline's reserved line: its settings checked now
-    strategy = strategy_options(args, step)
+    strategy = strategies_from_options(args, step)
     hints = step.pop("hints", None)
     if args.compiled:
         if set(strategy) - {"checkpoint"}:
@@ -220,8 +220,8 @@ def _checkpoint(args) -> int:
                          "coarse to choose plans by",
                          hint="see one plan under torch.compile with memsim analyze TARGET ... "
                               "--compiled --checkpoint PLAN")
-    step = step_options(args)
-    if strategy_options(args, step):
+    step = StepConfig.from_options(args)
+    if strategies_from_options(args, step):
         raise UsageError("memsim checkpoint does not take strategy options yet",
                          hint="use memsim analyze ... --checkpoint PLAN with --fsdp/--tp/--lora")
     specs = {s.name: s for s in (parse_input(t) for t in inputs)}

@@ -13,7 +13,7 @@ import sys
 from memsim.tracer import StepConfig, UsageError
 from memsim.tracer.errors import did_you_mean
 
-__all__ = ["parser", "add_common", "join_configs", "input_options", "step_options", "check_point", "strategy_options",
+__all__ = ["parser", "add_common", "join_configs", "input_options", "check_point",
            "compiled_hints", "budget_setup", "alloc_conf", "file_option", "size_range",
            "config_args", "SHARED"]
 
@@ -147,11 +147,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def step_options(args) -> dict:
-    """The step options (:class:`StepConfig` fields by name) the command line gives."""
-    return StepConfig.from_options(args)
-
-
 def check_point(point: dict[str, int] | None, specs, option: str = "--at") -> None:
     """``--at`` names exactly the inputs' symbols, each a size >= 1 (checked before the
     trace)."""
@@ -168,14 +163,6 @@ def check_point(point: dict[str, int] | None, specs, option: str = "--at") -> No
     if missing:
         raise UsageError(f"{option} lacks {', '.join(missing)}",
                          hint=f"give every symbol the inputs use: {', '.join(names)}")
-
-
-def strategy_options(args, step: dict) -> dict:
-    """The strategy options as keyword arguments of :func:`memsim.strategies.analyze` (checked
-    before the trace); ``step`` as the strategies complete it (a DeepSpeed config's
-    precision)."""
-    from memsim.strategies import strategies_from_options
-    return strategies_from_options(args, step)
 
 
 def compiled_hints(specs, point, hints):

@@ -148,11 +148,13 @@ class StepConfig:
     """
 
     device: Device = field(default=Device.CUDA, metadata=_cli(
-        "--device", "whose kernels to model (default cuda)", choices=("cuda", "cpu")))
+        "--device", "whose kernels to model (default cuda)",
+        choices=tuple(d.value for d in Device)))
     cpu_isa: CpuIsa = field(default=CpuIsa.AVX512, metadata=_cli(
         "--cpu-isa", "with --device cpu, the modelled CPU's instruction set where kernels "
         "differ by it (bf16 nn.LSTM: oneDNN with AVX-512, PyTorch's native kernel without); "
-        "default avx512, whatever the machine memsim runs on", choices=("avx512", "avx2")))
+        "default avx512, whatever the machine memsim runs on",
+        choices=tuple(i.value for i in CpuIsa)))
     precision: Precision = field(default=Precision.TRUE32, metadata=_cli(
         "--precision", "32-true, bf16-mixed, 16-mixed, bf16-true, 16-true or bf16-master "
         "(default 32-true)"))
