@@ -5,8 +5,8 @@
 >>> # analyze(model, inputs, fsdp=FSDP(dp=8), lora=LoRA(r=16), checkpoint="blocks")
 
 The strategies validate their combination, then each adds what it needs to a
-:class:`~memsim.strategies.base.Plan` (in registration order: LoRA, checkpointing, tensor
-parallelism, FSDP2, ZeRO, DDP). The plan is traced once per rank it selects, with PyTorch's or
+:class:`~memsim.strategies.base.Plan` (in the order their classes declare: LoRA,
+checkpointing, tensor parallelism, FSDP2, ZeRO, DDP). The plan is traced once per rank it selects, with PyTorch's or
 DeepSpeed's own code inside the symbolic run; the strategies' timeline edits are applied to each
 rank's report, and the result is a :class:`~memsim.strategies.base.StrategyReport` of the rank
 shown (rank 0, or under ZeRO the largest peak), which lists the others.
@@ -56,9 +56,8 @@ def given_strategies(strategies: Iterable[Strategy] = (), **by_key) -> dict[str,
 def add_strategy_options(group) -> None:
     """Every registered strategy's command-line options on ``group`` (an argparse group), and
     ``--dp``, the data-parallel ranks the strategies on that mesh dimension share."""
-    dp = [f for cls in registered_strategies().values() if cls.axis == "dp" for f in cls.flags]
     group.add_argument("--dp", type=int, metavar="N",
-                       help=f"data-parallel ranks (with {_either(dp)})")
+                       help=f"data-parallel ranks (with {_either(_dp_flags())})")
     for cls in registered_strategies().values():
         cls.add_options(group)
 
@@ -72,12 +71,17 @@ def strategies_from_options(opts, step: dict) -> dict[str, Strategy]:
         got = cls.from_options(opts, step)
         if got is not None:
             out[key] = got
-    dp = [f for cls in known.values() if cls.axis == "dp" for f in cls.flags]
+    dp = _dp_flags()
     if getattr(opts, "dp", None) is not None and not any(
             getattr(opts, f[2:].replace("-", "_"), None) for f in dp):
         raise UsageError(f"--dp given without {_either(dp)}",
                          hint="say how the data-parallel ranks share the model")
     return out
+
+
+def _dp_flags() -> list[str]:
+    """The options that turn on a strategy over the data-parallel ranks (``--dp``'s users)."""
+    return [f for cls in registered_strategies().values() if cls.axis == "dp" for f in cls.flags]
 
 
 def _either(flags: list[str]) -> str:
