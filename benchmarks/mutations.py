@@ -277,6 +277,28 @@ MUTATIONS: list[Mutation] = [
              "for f in dataclasses.fields(self) if f.name != 'fold'))",
              (f"{REG}::test_step_options_come_from_the_fields",),
              "a StepConfig field left out of its hash (configs that differ in it collide)"),
+    # data-dependent sizes (tracer/data_dependent.py)
+    Mutation("data-dependent-count-one-short", "tracer/data_dependent.py",
+             "    if bound.kind == \"fraction\":\n        return _ceil_fraction(most, bound.fraction)\n    return most",
+             "    if bound.kind == \"fraction\":\n        return _ceil_fraction(most, bound.fraction)\n    return most - 1",
+             ("tests/test_data_dependent.py::test_every_element_true_is_the_default_bound_and_exact_when_the_data_makes_it_hold",),
+             "the maximum of a mask's count one short of every element"),
+    Mutation("data-dependent-fraction-floored", "tracer/data_dependent.py",
+             "return -((-n * f.numerator) // f.denominator)",
+             "return (n * f.numerator) // f.denominator",
+             ("tests/test_data_dependent.py::test_a_fraction_of_the_elements",),
+             "a fraction of a count rounded down, not up"),
+    Mutation("known-mask-not-counted-exactly", "tracer/data_dependent.py",
+             "        if b[0] > 0 or b[1] < 0:\n            return most",
+             "        if b[0] > 0 or b[1] < 0:\n            return _bounded(most, op)",
+             ("tests/test_data_dependent.py::test_a_mask_the_run_knows_is_counted_exactly_with_nothing_assumed",),
+             "a mask the run knows to be all true counted at the bound, with a note"),
+    Mutation("nonzero-indices-not-known", "tracer/data_dependent.py",
+             "        if idx is not None:\n            known.set_contents(out, idx)",
+             "        if idx is None:\n            known.set_contents(out, idx)",
+             ("tests/test_data_dependent.py::test_a_loop_over_the_values_of_a_small_data_dependent_tensor",),
+             "the indices of a small all-true mask not known: a loop over them cannot run"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

@@ -61,6 +61,7 @@ def to_json(report: Report, point: dict[str, int] | None = None, budget=None,
                  **({"cpu_isa": report.config.cpu_isa.value} if report.device == "cpu" else {}),
                  "precision": report.precision, "accumulate": report.accumulate,
                  "outputs": report.config.loop.value,
+                 "data_dependent": str(report.config.data_dependent),
                  "compiled": report.compiled, "symbols": list(report.symbols), "at": at or None, "fixed": dict(report.fixed),
                  "ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()}}
     doc.update(_figures(report, point))

@@ -20,11 +20,16 @@ os.environ.setdefault("MEMSIM_PARALLEL", "0")
 # broken (a QLoRA, 8-bit or ZeRO check that would otherwise vanish from a green run). Without
 # it, as on a user's partial install, tests skip and pytest's -ra prints the reason.
 STRICT_DEPS = os.environ.get("MEMSIM_STRICT_DEPS") == "1"
+# the one skip strict mode lets pass: a real run this machine's hardware cannot make (oneDNN's
+# bf16 kernels need AVX-512); the reason starts with it, and pytest -ra prints it
+HOST_SKIP = "the host cannot run it"
 
 
 def _strict(rep, where: str) -> None:
     if STRICT_DEPS and rep.skipped:
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        if reason.removeprefix("Skipped: ").startswith(HOST_SKIP):
+            return
         rep.outcome = "failed"
         rep.longrepr = (f"{where} skipped under MEMSIM_STRICT_DEPS=1 (CI installs every test "
                         f"dependency, so no test may skip): {reason}")

@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .data_dependent import Bound
 from .errors import InputError, did_you_mean
 from .precision import Precision
 from .records import Word
@@ -145,6 +146,10 @@ class StepConfig:
     fold : bool
         Trace a few blocks of a repeated stack and derive the rest, proven on the model itself
         (:mod:`memsim.tracer.fold`); False traces every block.
+    data_dependent : Bound
+        The value sizes that depend on tensor values are answered at
+        (:mod:`memsim.tracer.data_dependent`): ``"max"`` (default: every element of a mask
+        true), ``"balanced"``, or a fraction such as ``0.15``.
     """
 
     device: Device = field(default=Device.CUDA, metadata=_cli(
@@ -184,6 +189,11 @@ class StepConfig:
         "--no-fold", "trace every block of a repeated stack (by default a few are traced and "
         "the rest derived, proven on the model itself; see docs/performance.md)",
         value=lambda every: not every, action="store_true"))
+    data_dependent: Bound = field(default=Bound(), metadata=_cli(
+        "--data-dependent", "what a size that depends on tensor values (x[mask], nonzero, "
+        "masked_select, unique) is answered at: max (default: every element of the mask true, "
+        "an upper bound), balanced, or a fraction of the most such as 0.15",
+        value=Bound.parse, metavar="max|balanced|F"))
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen)
@@ -203,6 +213,7 @@ class StepConfig:
                              hint="micro-batches per optimizer step")
         put("compiled", bool(self.compiled))
         put("fold", bool(self.fold))
+        put("data_dependent", Bound.parse(self.data_dependent))
         put("hints", _sizes(self.hints, "hints"))
         put("limits", _sizes(self.limits, "limits"))
 

@@ -123,6 +123,24 @@ _KINDS = ((_MAKE, (_MAKES,)), (_KEEP, (_KEEPS,)), (_NEGATE, (_NEGATES,)),
           (_SHIFT, (_SHIFTS,)), (_SIZE, (_SIZE_OPS,)))
 _kinds: dict = {}
 _active: "_Known | None" = None
+# the most elements a storage known element by element may have
+SMALL = 4096
+
+
+def _layout(t: torch.Tensor):
+    """``(storage elements, shape, stride, offset)`` of ``t`` where all are concrete (reading a
+    symbolic one would pin it), else None."""
+    nbytes = t.untyped_storage().nbytes()
+    parts = (nbytes, *t.shape, *t.stride(), t.storage_offset())
+    if any(isinstance(p, torch.SymInt) for p in parts):
+        return None
+    return (nbytes // t.element_size(), tuple(t.shape), tuple(t.stride()),
+            t.storage_offset())
+
+
+def _flat(x) -> list:
+    from torch.utils._pytree import tree_flatten
+    return tree_flatten(x)[0]
 
 
 def _kind(func) -> int:
@@ -145,6 +163,10 @@ class _Known:
         self.assumed: list[str] = []  # checks of values taken to hold, in words
         # storage -> the size (a SymInt) a 0-dim tensor holds: ``torch.div`` of sizes
         self.sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # storage -> every element's value, a real 1-D tensor as long as the storage (a small
+        # storage of concrete size: the indices of a mask's true elements, what is computed
+        # from them)
+        self.contents: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def mark(self, t: torch.Tensor, value: int = 1, because: str | None = None) -> None:
         self.bound(t, (value, value), because)
@@ -167,12 +189,79 @@ class _Known:
         return None
 
     def bounds(self, t) -> tuple | None:
-        """(lo, hi) of the values in ``t``'s storage; a number is its own bounds."""
+        """(lo, hi) of the values in ``t``'s storage (of ``t``'s own elements where they are
+        known one by one); a number is its own bounds."""
         if type(t) in (int, float, bool):
             return (t, t)
-        if not (isinstance(t, torch.Tensor) and self.values):
+        if not isinstance(t, torch.Tensor):
+            return None
+        if self.contents:
+            real = self.real(t)
+            if real is not None and real.numel():
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+                with unset_fake_temporarily():
+                    return (real.min().item(), real.max().item())
+        if not self.values:
             return None
         return self.values.get(t.untyped_storage())
+
+    def real(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s values as a real tensor, where its storage's elements are known one by one
+        (and ``t``'s shape and strides are concrete)."""
+        flat = self.contents.get(t.untyped_storage()) if self.contents else None
+        if flat is None:
+            return None
+        layout = _layout(t)
+        if layout is None:
+            return None
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            return flat.as_strided(*layout[1:])
+
+    def set_real(self, t: torch.Tensor, values: torch.Tensor) -> None:
+        """``t``'s elements are ``values`` (a real tensor of its shape); its storage, concrete
+        and small, holds nothing else."""
+        st = t.untyped_storage()
+        layout = _layout(t)
+        if layout is None or layout[0] > SMALL or tuple(values.shape) != layout[1]:
+            return
+        n, shape, stride, offset = layout
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            flat = torch.zeros(n, dtype=t.dtype)
+            flat.as_strided(shape, stride, offset).copy_(values)
+        self.contents[st] = flat
+        self.values.pop(st, None)
+
+    def _compute(self, func, args, kwargs, out) -> bool:
+        """An op every tensor argument of which is known element by element: run it on those
+        values, and know its outputs' (a write into an argument writes into the known values).
+        Whether it was such an op."""
+        flat_in = [a for a in _flat((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if not flat_in or any(self.contents.get(a.untyped_storage()) is None for a in flat_in):
+            return False
+        if any(isinstance(a, torch.SymInt) for a in _flat((args, kwargs))):
+            return False
+        swap = {id(a): self.real(a) for a in flat_in}
+        if any(v is None for v in swap.values()):
+            return False
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._pytree import tree_map
+        real_args, real_kwargs = tree_map(
+            lambda a: swap[id(a)] if isinstance(a, torch.Tensor) else a, (args, kwargs))
+        try:
+            with unset_fake_temporarily():
+                got = func(*real_args, **real_kwargs)
+        except Exception:  # noqa: BLE001 - values not computable here: simply not known
+            return False
+        outs = [o for o in _flat(out) if isinstance(o, torch.Tensor)]
+        reals = [g for g in _flat(got) if isinstance(g, torch.Tensor)]
+        if len(outs) != len(reals):
+            return False
+        for o, g in zip(outs, reals):
+            if self.contents.get(o.untyped_storage()) is None:
+                self.set_real(o, g)
+        return True
 
     def exact(self, t):
         """The one number every element of ``t``'s storage holds, or None."""
@@ -228,6 +317,8 @@ class _Known:
             self.mark(out, _INF_COMPARE[func], self._healthy(args[0]))
 
     def observe(self, func, args, kwargs, out) -> None:
+        if self.contents and self._compute(func, args, kwargs, out):
+            return
         k = _kind(func)
         if k == _NOTHING:
             return
@@ -303,6 +394,7 @@ class _Known:
                 if isinstance(t, torch.Tensor):
                     self.values.pop(t.untyped_storage(), None)
                     self.because.pop(t.untyped_storage(), None)
+                    self.contents.pop(t.untyped_storage(), None)
 
 
     def _combine(self, func, args, out) -> None:
@@ -415,6 +507,23 @@ def mark(t: torch.Tensor) -> None:
     """``t``'s storage holds only ones (an input given so)."""
     if _active is not None:
         _active.mark(t)
+
+
+def bounds(t) -> tuple | None:
+    """(lo, hi) of the values of ``t``'s storage known in the current run, or None."""
+    return None if _active is None else _active.bounds(t)
+
+
+def contents(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s values as a real tensor where they are known element by element, or None."""
+    return None if _active is None else _active.real(t)
+
+
+def set_contents(t: torch.Tensor, values: torch.Tensor) -> None:
+    """``t``'s elements are ``values`` (a real tensor of its shape; kept where the storage is
+    concrete and small)."""
+    if _active is not None:
+        _active.set_real(t, values)
 
 
 def all_ones(t) -> bool:

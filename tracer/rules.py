@@ -126,7 +126,7 @@ def registered(kind: Kind | None = None) -> list[Rule]:
 
 
 # the modules that register the built-in entries, each next to the code that applies them
-_BUILTIN = (".kernels", ".rnn_cpu", ".cuda", ".rnn_cuda", ".functions", ".precision",
+_BUILTIN = (".kernels", ".data_dependent", ".rnn_cpu", ".cuda", ".rnn_cuda", ".functions", ".precision",
             ".compiled", ".recorder")
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from . import kernels, rnn_cpu  # noqa: F401  (register the built-in rules)
+from . import data_dependent, kernels, rnn_cpu  # noqa: F401  (register the built-in rules)
 from . import known
 from .errors import InputError
 from .config import StepConfig

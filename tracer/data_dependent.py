@@ -1,0 +1,266 @@
+"""Sizes that depend on tensor values, answered at a bound the user picks.
+
+``x[x > 0]``, ``nonzero``, ``masked_select``, ``unique`` and ``torch.where(mask)`` return as many
+elements as the data makes true; a symbolic run has no data. PyTorch's fake kernels give such a
+size a fresh unbacked symbol, which no formula can be evaluated at. Here each such count is a
+size the run can carry instead, chosen by the option ``data_dependent`` (:class:`Bound`):
+
+- ``max`` (the default): the most it can be, every element of the mask true (a ``nonzero`` of a
+  ``(B, S)`` mask counts ``B*S``). Memory only grows with these counts, so the figure is an upper
+  bound, and it is exact for data that makes every element true.
+- a fraction ``f`` in (0, 1]: ``ceil(f * most)`` (``0.15`` for masked-language-model labels of
+  which 15% are kept).
+- ``balanced``: as ``max`` for masks; the word routing spreads tokens evenly with.
+
+What is known of the mask's values (:mod:`memsim.tracer.known`: a mask of ones, an all-true
+comparison, the values of a small concrete tensor) decides the count exactly, with nothing
+assumed. Every count taken at a bound is a note of the run (the op, the model's line, the bound),
+which the report lists. Where a small mask has a concrete size and every element is taken as
+true, the result's values are known too (the indices of every element), so that a model's loop
+over them (a mixture of experts iterating over the experts hit) runs as it would on such data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import weakref
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from . import known
+from .errors import InputError
+from .rules import Kind, rule
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The value a data-dependent count is answered at (see the module docstring).
+
+    >>> Bound.parse("max"), Bound.parse("0.15"), str(Bound.parse("balanced"))
+    (Bound(kind='max', fraction=Fraction(1, 1)), Bound(kind='fraction', fraction=Fraction(3, 20)), 'balanced')
+    >>> Bound.parse("1.5")
+    Traceback (most recent call last):
+    ...
+    memsim.tracer.errors.InputError: data_dependent=1.5 must be max, balanced or a fraction in (0, 1]
+      hint: max: every element of a mask true (the default); 0.15: 15% of them
+    """
+
+    kind: str = "max"
+    fraction: Fraction = Fraction(1)
+
+    @classmethod
+    def parse(cls, value) -> "Bound":
+        if isinstance(value, Bound):
+            return value
+        text = str(value).strip().lower()
+        if text in ("max", "balanced"):
+            return cls(text)
+        try:
+            f = Fraction(text).limit_denominator(10_000)
+        except (ValueError, ZeroDivisionError):
+            f = None
+        if f is None or not 0 < f <= 1:
+            raise InputError(f"data_dependent={value} must be max, balanced or a fraction in "
+                             "(0, 1]", hint="max: every element of a mask true (the default); "
+                             "0.15: 15% of them")
+        return cls("max") if f == 1 else cls("fraction", f)
+
+    def __str__(self) -> str:
+        return self.kind if self.kind != "fraction" else str(float(self.fraction))
+
+    def describe(self) -> str:
+        """The bound in words, for a note."""
+        if self.kind == "fraction":
+            return f"{float(self.fraction):g} of its elements true (--data-dependent)"
+        return "every element of its mask true, the most it can count (--data-dependent max)"
+
+
+_BOUND: contextvars.ContextVar[Bound] = contextvars.ContextVar("data_dependent",
+                                                               default=Bound())
+
+
+@contextlib.contextmanager
+def bounded(bound: Bound):
+    """Inside: data-dependent counts are answered at ``bound``."""
+    token = _BOUND.set(Bound.parse(bound))
+    try:
+        yield
+    finally:
+        _BOUND.reset(token)
+
+
+def _ceil_fraction(n, f: Fraction):
+    """``ceil(n * f)`` of a size (an int or a SymInt), as a size."""
+    return -((-n * f.numerator) // f.denominator)
+
+
+# mask storage -> {(shape, stride, offset): count}: a mask counted once is counted the same
+# when it is used again (backward indexes with the mask forward saved)
+_COUNTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def count(most, mask: torch.Tensor | None, op: str):
+    """How many elements of ``mask`` are not zero, of at most ``most``: what is known of its
+    values, else the run's bound (noted); the same count each time the same mask is counted."""
+    if mask is None:
+        return _bounded(most, op)
+    from .recorder import as_expr
+    key = tuple(as_expr(d) for d in (*mask.shape, -1, *mask.stride(), mask.storage_offset()))
+    seen = _COUNTED.setdefault(mask.untyped_storage(), {})
+    if key not in seen:
+        seen[key] = _count(most, mask, op)
+    return seen[key]
+
+
+def _count(most, mask: torch.Tensor, op: str):
+    real = known.contents(mask)
+    if real is not None:
+        with unset_fake_temporarily():
+            return int((real != 0).sum())
+    b = known.bounds(mask)
+    if b is not None:
+        if b[0] == b[1] == 0:
+            return 0
+        if b[0] > 0 or b[1] < 0:
+            return most
+    return _bounded(most, op)
+
+
+def _bounded(most, op: str):
+    """``most`` at the run's bound (noted)."""
+    bound = _BOUND.get()
+    from .sources import model_line
+    known.assume(f"data-dependent size: {op}{model_line()} counted with "
+                 f"{bound.describe()}")
+    if bound.kind == "fraction":
+        return _ceil_fraction(most, bound.fraction)
+    return most
+
+
+def _all_indices(shape) -> torch.Tensor | None:
+    """The indices of every element of a concrete ``shape`` (``nonzero`` of a mask of ones), or
+    None where the shape is symbolic or large."""
+    if not all(type(d) is int for d in shape):
+        return None
+    n = 1
+    for d in shape:
+        n *= d
+    if n > known.SMALL:
+        return None
+    with unset_fake_temporarily():
+        return torch.tensor(list(itertools.product(*(range(d) for d in shape))),
+                            dtype=torch.long).reshape(n, len(shape))
+
+
+def _nonzero_of(x: torch.Tensor, op: str) -> torch.Tensor:
+    """``x.nonzero()`` with the count the bound gives (a fake tensor; its values known where
+    the mask's are, or where every element is taken as true and the mask is small)."""
+    n = count(x.numel(), x, op)
+    out = torch.empty((n, x.dim()), dtype=torch.long, device=x.device)
+    real = known.contents(x)
+    if real is not None:
+        with unset_fake_temporarily():
+            known.set_contents(out, real.nonzero())
+    elif type(n) is int and n == x.numel():
+        idx = _all_indices(tuple(x.shape))
+        if idx is not None:
+            known.set_contents(out, idx)
+    return out
+
+
+@rule(Kind.ATEN, aten.nonzero.default,
+      doc="data-dependent count: what the mask's known values give, else the bound "
+          "--data-dependent picks (max: every element true); tracer/data_dependent.py")
+def _nonzero(recorder, func, args, kwargs):
+    return _nonzero_of(args[0], "nonzero")
+
+
+@rule(Kind.ATEN, aten.masked_select.default,
+      doc="data-dependent count: the mask's known values, else --data-dependent's bound of "
+          "the broadcast shape's elements")
+def _masked_select(recorder, func, args, kwargs):
+    x, mask = args[0], args[1]
+    shape = torch.broadcast_shapes(x.shape, mask.shape)
+    most = 1
+    for d in shape:
+        most = most * d
+    n = count(most, mask if tuple(mask.shape) == tuple(shape) else None, "masked_select")
+    return torch.empty((n,), dtype=x.dtype, device=x.device)
+
+
+def _long_indices(indices, op: str) -> list | None:
+    """``indices`` with each boolean mask replaced by the long indices of its true elements
+    (as ATen's index kernels do before indexing), or None where none is boolean."""
+    if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+               for i in indices):
+        return None
+    out = []
+    for i in indices:
+        if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+            nz = _nonzero_of(i, op)
+            out.extend(nz.unbind(1))
+        else:
+            out.append(i)
+    return out
+
+
+@rule(Kind.ATEN, aten.index.Tensor,
+      doc="a boolean mask index (x[mask]): its true elements' indices, counted as nonzero "
+          "counts them (--data-dependent), then the same kernel with long indices")
+def _index(recorder, func, args, kwargs):
+    new = _long_indices(list(args[1]), "indexing with a boolean mask")
+    if new is None:
+        return func(*args, **kwargs)
+    return func(args[0], new)
+
+
+def _index_put(recorder, func, args, kwargs):
+    new = _long_indices(list(args[1]), "assigning through a boolean mask")
+    if new is None:
+        return func(*args, **kwargs)
+    return func(args[0], new, *args[2:], **kwargs)
+
+
+for _op in (aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
+    rule(Kind.ATEN, _op, doc="a boolean mask index (x[mask] = v, and index's backward): its "
+         "true elements' indices, counted as nonzero counts them (--data-dependent)")(_index_put)
+
+
+def _unique(recorder, func, args, kwargs):
+    """``unique`` variants: at most as many values as elements (the count is the bound's);
+    inverse indices and counts have their fixed shapes."""
+    x = args[0]
+    n = count(x.numel(), None, "unique")
+    names = [a.name for a in func._schema.arguments]
+    opts = dict(zip(names, args), **kwargs)
+    dim = opts.get("dim")
+    if dim is not None:
+        shape = list(x.shape)
+        d = dim % max(x.dim(), 1)
+        n = count(shape[d], None, "unique")
+        shape[d] = n
+        values = torch.empty(shape, dtype=x.dtype, device=x.device)
+        inverse_shape = (x.shape[d],)
+    else:
+        values = torch.empty((n,), dtype=x.dtype, device=x.device)
+        inverse_shape = tuple(x.shape)
+    want_inverse = opts.get("return_inverse", False)
+    want_counts = opts.get("return_counts", False)
+    inverse = torch.empty(inverse_shape if want_inverse else (0,), dtype=torch.long,
+                          device=x.device)
+    counts = torch.empty((n if dim is None else values.shape[d],) if want_counts else (0,),
+                         dtype=torch.long, device=x.device)
+    outs = len(func._schema.returns)
+    return (values, inverse, counts)[:outs] if outs > 1 else values
+
+
+for _op in (aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default):
+    rule(Kind.ATEN, _op, doc="unique: at most as many values as elements, counted as "
+         "--data-dependent bounds it; inverse indices and counts of their fixed shapes")(_unique)
