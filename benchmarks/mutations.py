@@ -299,6 +299,25 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_data_dependent.py::test_a_loop_over_the_values_of_a_small_data_dependent_tensor",),
              "the indices of a small all-true mask not known: a loop over them cannot run"),
 
+    Mutation("branch-the-smaller-taken", "tracer/branching.py",
+             "if there > here:", "if there < here:",
+             ("tests/test_data_dependent.py::test_truth_values_read_without_data_take_the_branch_a_run_takes_or_the_larger",),
+             "of two branches that both run, the one holding less answered"),
+    Mutation("branch-raising-not-left", "tracer/branching.py",
+             "given[b.site] = not b.value\n            notes.append",
+             "given[b.site] = b.value\n            notes.append",
+             ("tests/test_data_dependent.py::test_truth_values_read_without_data_take_the_branch_a_run_takes_or_the_larger",),
+             "a branch on which the model raises retried as it was"),
+    Mutation("range-against-counts-undecided", "tracer/known.py",
+             "        if n is None or v is None or _expr(n) != _expr(v):\n            return False",
+             "        if True:\n            return False",
+             ("tests/test_data_dependent.py::test_a_truth_value_read_without_data_is_tried_both_ways",),
+             "arange(n) < counts at n not decided: LED's mask of no global tokens counted full"),
+    Mutation("ctc-alpha-one-short", "tracer/data_dependent.py",
+             "(log_probs.shape[0], 2 * longest + 1)", "(log_probs.shape[0], 2 * longest)",
+             ("tests/test_data_dependent.py::test_ctc_loss_and_a_check_that_raises_on_one_branch",),
+             "CTC's log_alpha sized 2 L, not 2 L + 1"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

@@ -4,26 +4,10 @@ checked against real CPU runs whose data makes that bound hold: every element of
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.support import zoo
 from tests.support.oracles.measure import example_inputs
 from tests.support.predict import check, figures, predict
-
-
-class MaskedSum(torch.nn.Module):
-    """Boolean indexing, ``masked_select`` and ``torch.where(mask)`` of a mask that real data
-    decides: ``x > 0`` of the input."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        h = self.fc(x)
-        keep = x > 0
-        rows, cols = torch.where(keep)
-        return (h[keep].sum() + torch.masked_select(h, keep).square().sum()
-                + h[rows, cols].exp().sum())
 
 
 INPUTS = {"x": ("float32", ["B", 16])}
@@ -37,73 +21,65 @@ def _signed(point, positive):
 
 
 def test_every_element_true_is_the_default_bound_and_exact_when_the_data_makes_it_hold():
-    report = predict(MaskedSum, INPUTS)
+    report = predict(zoo.MaskedSum, INPUTS)
     assert any("data-dependent size" in n and "--data-dependent max" in n
                for n in report.notes), report.notes
-    check(report, MaskedSum, INPUTS, [{"B": 3}, {"B": 8}],
+    check(report, zoo.MaskedSum, INPUTS, [{"B": 3}, {"B": 8}],
           real_inputs=lambda pt: _signed(pt, 16 * pt["B"]))
 
 
 def test_a_fraction_of_the_elements():
     """``--data-dependent 0.3``: 30% of the mask's elements, rounded up (ceil(4.8 B)), true
     in the data."""
-    report = predict(MaskedSum, INPUTS, data_dependent="0.3")
+    report = predict(zoo.MaskedSum, INPUTS, data_dependent="0.3")
     assert any("0.3 of its elements" in n for n in report.notes), report.notes
-    check(report, MaskedSum, INPUTS, [{"B": 3}, {"B": 8}],
+    check(report, zoo.MaskedSum, INPUTS, [{"B": 3}, {"B": 8}],
           real_inputs=lambda pt: _signed(pt, -(-16 * pt["B"] * 3 // 10)))
-    full = predict(MaskedSum, INPUTS)
+    full = predict(zoo.MaskedSum, INPUTS)
     assert figures(report, B=8)["train"]["peak"] < figures(full, B=8)["train"]["peak"]
-
-
-class KnownMask(torch.nn.Module):
-    """A mask whose values the run knows (made of ones): counted exactly, nothing assumed."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.fc(x)
-        keep = torch.ones_like(h, dtype=torch.bool)
-        drop = torch.zeros_like(h, dtype=torch.bool)
-        return h[keep].sum() + h[drop].sum()
 
 
 def test_a_mask_the_run_knows_is_counted_exactly_with_nothing_assumed():
     inputs = {"x": ("float32", ["B", 8])}
-    report = predict(KnownMask, inputs)
+    report = predict(zoo.KnownMask, inputs)
     assert not any("data-dependent" in n for n in report.notes), report.notes
-    check(report, KnownMask, inputs, [{"B": 3}, {"B": 6}])
-
-
-class ExpertLoop(torch.nn.Module):
-    """A loop over the values of a small data-dependent tensor (Hugging Face's mixture-of-
-    experts loop iterates over ``mask.nonzero()`` of the experts hit): under the bound every
-    expert is hit, and the loop runs over each, as on data that routes to all of them."""
-
-    def __init__(self, experts=4):
-        super().__init__()
-        self.experts = experts
-        self.router = torch.nn.Linear(8, experts)
-        self.w = torch.nn.Parameter(torch.randn(experts, 8, 8) / 8)
-
-    def forward(self, x):
-        logits = self.router(x)
-        hit = (logits.abs().sum(0) > 0).nonzero()
-        out = torch.zeros_like(x)
-        for e in hit:
-            e = e[0]
-            if e == self.experts:   # a value read from the known indices
-                continue
-            tokens = (logits[:, e] > -1e9).nonzero().squeeze(-1)
-            out = out.index_add(0, tokens, F.linear(x[tokens], self.w[e]))
-        return out.square().sum()
+    check(report, zoo.KnownMask, inputs, [{"B": 3}, {"B": 6}])
 
 
 def test_a_loop_over_the_values_of_a_small_data_dependent_tensor():
     inputs = {"x": ("float32", ["T", 8])}
-    report = predict(ExpertLoop, inputs)
-    check(report, ExpertLoop, inputs, [{"T": 3}, {"T": 7}])
+    report = predict(zoo.ExpertLoop, inputs)
+    check(report, zoo.ExpertLoop, inputs, [{"T": 3}, {"T": 7}])
+
+
+def test_truth_values_read_without_data_take_the_branch_a_run_takes_or_the_larger():
+    inputs = {"x": ("float32", ["B", 8])}
+    report = predict(zoo.Branchy, inputs)
+    notes = " ".join(report.notes)
+    assert "taken as False, since with True the model fails" in notes, report.notes
+    assert "taken as True, the branch that holds more" in notes, report.notes
+    positive = lambda pt: {"x": example_inputs(inputs, pt)["x"].abs() + 0.1}  # noqa: E731
+    check(report, zoo.Branchy, inputs, [{"B": 3}, {"B": 10}], real_inputs=positive)
+    # the other branch, given: the real run on data that takes it (random signs)
+    line = next(n for n in report.notes if "holds more" in n).split(" at ")[1].split(" ")[0]
+    small = predict(zoo.Branchy, inputs, assume={line: False})
+    check(small, zoo.Branchy, inputs, [{"B": 3}])
+    assert figures(small, B=10)["train"]["peak"] < figures(report, B=10)["train"]["peak"]
+
+
+def test_masked_assignment_unique_and_ctc_against_real_runs():
+    """``x[mask] = v``; ``unique`` in its forms, at most every element distinct (random floats
+    are); CTC loss sized by its longest target, every label a target (labels 1)."""
+    x8 = {"x": ("float32", ["B", 8])}
+    for factory in (zoo.MaskedAssign, zoo.Uniques):
+        check(predict(factory, x8), factory, x8, [{"B": 3}, {"B": 7}],
+              real_inputs=lambda pt: {"x": example_inputs(x8, pt)["x"].abs() + 0.1})
+    ctc = {"x": ("float32", ["B", "T", 8]), "labels": ("int64", ["B", "S"])}
+    report = predict(zoo.CTC, ctc)
+    assert any("the longest target of ctc_loss" in n for n in report.notes), report.notes
+    check(report, zoo.CTC, ctc, [{"B": 2, "T": 12, "S": 4}, {"B": 3, "T": 20, "S": 7}],
+          real_inputs=lambda pt: dict(example_inputs(ctc, pt),
+                                      labels=torch.ones(pt["B"], pt["S"], dtype=torch.long)))
 
 
 def test_the_bound_is_checked_and_named():
@@ -143,3 +119,61 @@ def test_hugging_face_losses_that_select_labelled_rows(factory, inputs, line):
     report = predict(factory, inputs)
     assert any("data-dependent size" in n and line in n for n in report.notes), report.notes
     check(report, factory, inputs, [{"B": 2, "S": 9}, {"B": 3, "S": 16}])
+
+
+def _hubert():
+    import transformers as T
+    return T.HubertForCTC(T.HubertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=20, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+        layerdrop=0.0))
+
+
+@pytest.mark.heavy
+def test_ctc_loss_and_a_check_that_raises_on_one_branch():
+    """HuBERT's CTC head: ``if labels.max() >= vocab_size: raise`` is read without data (the
+    raising branch is left for the other), the labels kept with ``masked_select`` and the
+    longest target sizing ``ctc_loss``'s ``log_alpha`` are at their bound: every label a target
+    (not blank, not ignored), as in the real run (labels 1), whose figures these equal."""
+    pytest.importorskip("transformers")
+    inputs = {"input_values": ("float32", ["B", "L"]), "labels": ("int64", ["B", "S"])}
+    report = predict(_hubert, inputs, hints={"L": 400})
+    notes = " ".join(report.notes)
+    assert "modeling_hubert.py" in notes and "taken as False, since with True the model fails" \
+        in notes and "the longest target of ctc_loss" in notes, report.notes
+    check(report, _hubert, inputs, [{"B": 2, "L": 400, "S": 5}, {"B": 3, "L": 560, "S": 9}],
+          real_inputs=lambda pt: dict(example_inputs(inputs, pt),
+                                      labels=torch.ones(pt["B"], pt["S"], dtype=torch.long)))
+
+
+def _led():
+    import transformers as T
+    return T.LEDForConditionalGeneration(T.LEDConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+        max_encoder_position_embeddings=128, max_decoder_position_embeddings=64,
+        attention_window=[8]))
+
+
+LED = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
+
+
+@pytest.mark.heavy
+def test_a_truth_value_read_without_data_is_tried_both_ways():
+    """LED reads ``is_global_attn = mask.any().item()`` of its global attention mask: both
+    branches run, the one holding more is answered (global attention, every token global: the
+    bound of its counts), and equals a real run with a global attention mask of ones;
+    ``--assume`` the other way equals a real run without global attention."""
+    pytest.importorskip("transformers")
+    inputs = dict(LED, global_attention_mask=("int64", ["B", "S"]))
+    report = predict(_led, inputs)
+    assert any("modeling_led.py" in n and "taken as True, the branch that holds more" in n
+               for n in report.notes), report.notes
+    ones = dict(LED, global_attention_mask=("int64", ["B", "S"], "ones"))
+    check(report, _led, inputs, [{"B": 2, "S": 16}],
+          real_inputs=lambda pt: example_inputs(ones, pt))
+    site = next(n for n in report.notes if "taken as True" in n).split(" at ")[1].split(" ")[0]
+    local = predict(_led, LED, assume={site: False})
+    assert not any("taken as True" in n for n in local.notes), local.notes
+    check(local, _led, LED, [{"B": 2, "S": 16}, {"B": 3, "S": 24}])

@@ -17,9 +17,8 @@ class DataDependent(nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        if h.sum() > 0:  # needs the values
-            return h
-        return -h
+        scale = float(h.abs().max())  # a number read from the values: only a given one answers
+        return h * scale
 
 
 class Inner(nn.Module):
@@ -57,8 +56,14 @@ def test_data_dependent_branch_names_module_and_line():
         analyze(DataDependent(), {"x": ("float32", ["B", 4])}, device="cpu")
     assert e.value.module == ""
     assert e.value.source and "test_errors.py" in e.value.source
-    assert e.value.hint
     assert "test_errors.py:" in str(e.value)  # the message names the line too
+    # the hint says how to give the value, at that line
+    line = e.value.source.rsplit(":", 1)[1]
+    assert f"--assume test_errors.py:{line}=VALUE" in e.value.hint, e.value.hint
+    # given, the analysis answers
+    r = analyze(DataDependent(), {"x": ("float32", ["B", 4])}, device="cpu",
+                assume={f"test_errors.py:{line}": 2.0})
+    assert r.train is not None
 
 
 def test_data_dependent_size_names_submodule():

@@ -306,6 +306,16 @@ def _traces():
     # example S), collectives' waits
     analyze(llama, {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])},
             device="cpu", tp=TensorParallel(2, sequence_parallel=True), inference=False)
+    # sizes that depend on tensor values: boolean indexing, nonzero, masked_select, x[mask] = v,
+    # unique in its forms, CTC loss with tensor lengths (tracer/data_dependent.py)
+    with meta():
+        masked, assign, uniques, ctc = zoo.MaskedSum(), zoo.MaskedAssign(), zoo.Uniques(), \
+            zoo.CTC()
+    analyze(masked, {"x": ("float32", ["B", 16])}, device="cpu", inference=False)
+    for model in (assign, uniques):
+        analyze(model, {"x": ("float32", ["B", 8])}, device="cpu", inference=False)
+    analyze(ctc, {"x": ("float32", ["B", "T", 8]), "labels": ("int64", ["B", "S"])},
+            device="cpu", inference=False)
     # FSDP2's reduce-scatter on the CPU: gloo's copy of the input
     with meta():
         mlp = O.mlp_model(blocks=1)

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .data_dependent import Bound
+from .data_dependent import Bound, parse_assumptions
 from .errors import InputError, did_you_mean
 from .precision import Precision
 from .records import Word
@@ -150,6 +150,10 @@ class StepConfig:
         The value sizes that depend on tensor values are answered at
         (:mod:`memsim.tracer.data_dependent`): ``"max"`` (default: every element of a mask
         true), ``"balanced"``, or a fraction such as ``0.15``.
+    assume : mapping of str to bool, int or float
+        The value a tensor value the model reads in Python control flow takes, by the model's
+        ``"file.py:LINE"`` (:mod:`memsim.tracer.data_dependent`); a truth value not given is
+        tried both ways.
     """
 
     device: Device = field(default=Device.CUDA, metadata=_cli(
@@ -194,6 +198,10 @@ class StepConfig:
         "masked_select, unique) is answered at: max (default: every element of the mask true, "
         "an upper bound), balanced, or a fraction of the most such as 0.15",
         value=Bound.parse, metavar="max|balanced|F"))
+    assume: Mapping[str, Any] = field(default_factory=dict, metadata=_cli(
+        "--assume", "the value a tensor value read in Python control flow takes, at the "
+        "model's line a note or an error names (by default a truth value is tried both ways)",
+        metavar="FILE:LINE=VALUE", value=parse_assumptions))
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen)
@@ -214,6 +222,8 @@ class StepConfig:
         put("compiled", bool(self.compiled))
         put("fold", bool(self.fold))
         put("data_dependent", Bound.parse(self.data_dependent))
+        put("assume", parse_assumptions(self.assume) if isinstance(self.assume, str)
+            else dict(self.assume or {}))
         put("hints", _sizes(self.hints, "hints"))
         put("limits", _sizes(self.limits, "limits"))
 

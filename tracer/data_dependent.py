@@ -228,7 +228,7 @@ def _index_put(recorder, func, args, kwargs):
     return func(args[0], new, *args[2:], **kwargs)
 
 
-for _op in (aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
+for _op in (aten.index_put.default, aten.index_put_.default):
     rule(Kind.ATEN, _op, doc="a boolean mask index (x[mask] = v, and index's backward): its "
          "true elements' indices, counted as nonzero counts them (--data-dependent)")(_index_put)
 
@@ -264,3 +264,126 @@ def _unique(recorder, func, args, kwargs):
 for _op in (aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default):
     rule(Kind.ATEN, _op, doc="unique: at most as many values as elements, counted as "
          "--data-dependent bounds it; inverse indices and counts of their fixed shapes")(_unique)
+
+
+
+@rule(Kind.ATEN, aten._ctc_loss.Tensor,
+      doc="CTC loss with lengths as tensors: log_alpha is (B, T, 2 L + 1) for the longest "
+          "target L, a count of the labels (--data-dependent), as the CPU kernel allocates it")
+def _ctc_loss(recorder, func, args, kwargs):
+    """``_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, zero_inf)``:
+    the loss per sequence and ``log_alpha``, whose last dimension is twice the longest target
+    plus one (the value is the data's: the target lengths' known values, else their bound)."""
+    log_probs, targets, lengths = args[0], args[1], args[3]
+    real = known.contents(lengths)
+    if real is not None:
+        with unset_fake_temporarily():
+            longest = int(real.max()) if real.numel() else 0
+    else:
+        most = known.most(lengths)
+        if most is None:   # padded (B, L) targets: at most L each; concatenated: all of them
+            most = targets.shape[-1] if targets.dim() == 2 else targets.numel()
+        longest = count(most, None, "the longest target of ctc_loss")
+    batched = log_probs.dim() == 3
+    b = log_probs.shape[1] if batched else 1
+    nll = torch.empty((b,) if batched else (), dtype=log_probs.dtype, device=log_probs.device)
+    alpha = torch.empty(((b,) if batched else ()) + (log_probs.shape[0], 2 * longest + 1),
+                        dtype=log_probs.dtype, device=log_probs.device)
+    return nll, alpha
+
+
+@rule(Kind.ATEN, aten._ctc_loss_backward.Tensor,
+      doc="CTC loss's backward with lengths as tensors (no fake kernel): the gradient of "
+          "log_probs, contiguous, as the CPU kernel returns it")
+def _ctc_loss_backward(recorder, func, args, kwargs):
+    return torch.empty(args[1].shape, dtype=args[1].dtype, device=args[1].device)
+
+# -- values read in Python control flow ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Branch:
+    """A tensor value the model read in Python (``if labels.max() >= n:``, ``.item()``) that
+    the run has no data for: where (``site``, ``file.py:LINE``; ``code``, its text), the value
+    the run went on with, and whether it was given (``--assume``, or a retrace that tries the
+    other branch) or taken by default (a truth value: True first)."""
+
+    site: str
+    value: object
+    given: bool
+    code: str = ""
+
+
+# site -> value: the values given for this run (StepConfig.assume, and the other branch a
+# retrace tries: memsim.tracer.trace)
+_DECISIONS: contextvars.ContextVar[dict] = contextvars.ContextVar("decisions", default={})
+
+
+@contextlib.contextmanager
+def decisions(values):
+    """Inside: a value read at a site of ``values`` (``{"file.py:LINE": value}``) is that."""
+    token = _DECISIONS.set(dict(values or {}))
+    try:
+        yield
+    finally:
+        _DECISIONS.reset(token)
+
+
+def site_here() -> tuple[str, str] | None:
+    """``("file.py:LINE", code)`` of the model's line running now, or None."""
+    import os
+
+    from .sources import model_frame
+    fr = model_frame()
+    if fr is None:
+        return None
+    return f"{os.path.basename(fr.filename)}:{fr.lineno}", (fr.line or "").strip()
+
+
+def decide(t: torch.Tensor):
+    """The value a read of ``t`` (a value the run does not know) goes on with: the one given
+    for its site, else True for a truth value (the other branch is tried by the trace), else
+    None (a number: only a given value answers it). Recorded as a :class:`Branch`."""
+    here = site_here()
+    if here is None:
+        return None
+    site, code = here
+    given = _DECISIONS.get()
+    if site in given:
+        value, was_given = given[site], True
+    elif t.dtype == torch.bool:
+        value, was_given = True, False
+    else:
+        return None
+    known.branch(Branch(site, value, was_given, code))
+    return value
+
+
+def parse_assumptions(text: str) -> dict:
+    """``--assume`` values: ``file.py:LINE=VALUE`` items, comma-separated (True/False, ints,
+    floats).
+
+    >>> parse_assumptions("modeling_led.py:1446=False,x.py:3=12")
+    {'modeling_led.py:1446': False, 'x.py:3': 12}
+    """
+    out = {}
+    for item in (p.strip() for p in str(text).split(",") if p.strip()):
+        site, eq, value = item.rpartition("=")
+        if not eq or ":" not in site:
+            raise InputError(f"--assume item {item!r} is not FILE:LINE=VALUE",
+                             hint="e.g. --assume modeling_led.py:1446=False (the line a note "
+                                  "or an error names)")
+        out[site.strip()] = _value(value.strip(), item)
+    return out
+
+
+def _value(text: str, item: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise InputError(f"--assume item {item!r}: {text!r} is not True, False or a number",
+                     hint="e.g. --assume modeling_led.py:1446=False")

@@ -98,7 +98,7 @@ def difference(a: RunRecord, b: RunRecord) -> str | None:
         if x != y:
             return f"op {x.index}: {_diff(x, y)}"
     for f in ("start", "phase_ends", "marks", "grad_ready", "other_ops", "warmed", "replays",
-              "assumed", "owners", "resized"):
+              "assumed", "branches", "owners", "resized"):
         if getattr(a, f) != getattr(b, f):
             return f"{f}: {getattr(a, f)} against {getattr(b, f)}"
     return None

@@ -208,6 +208,7 @@ class Copier:
         out.warmed = run.warmed
         out.replays = run.replays
         out.assumed = list(run.assumed)
+        out.branches = list(run.branches)
         return out
 
     def _positions(self, out: RunRecord) -> None:

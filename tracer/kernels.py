@@ -44,10 +44,23 @@ def _local_scalar(recorder, func, args, kwargs):
         return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
     if args[0].dtype == torch.bool and _asserted():
         return True
+    from .data_dependent import count, decide, site_here
+    most = known.most(args[0])
+    if most is not None and not args[0].is_floating_point():
+        # a count of true elements read as a number (a size): at the bound
+        return count(most, None, "a count of a mask's true elements read with .item()")
+    v = decide(args[0])
+    if v is not None:
+        t = args[0]
+        return bool(v) if t.dtype == torch.bool else (float(v) if t.is_floating_point()
+                                                      else int(v))
+    here = site_here()
     raise DataDependentError(
-        "the model reads a tensor value with .item() / bool() / int(), which a symbolic run "
+        "the model reads a tensor value with .item() / int() / float(), which a symbolic run "
         "does not have", module=recorder.module, op=str(func),
-        hint="move the data-dependent branch out of forward, or give that value as a constant")
+        hint=(f"give the value it takes: --assume {here[0]}=VALUE (Python "
+              f"assume={{'{here[0]}': VALUE}})" if here else
+              "move the read out of forward, or give that value as a constant"))
 
 
 def _asserted() -> bool:

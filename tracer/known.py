@@ -89,6 +89,8 @@ _SCALAR_COMPARES = {aten.gt.Scalar: operator.gt, aten.ge.Scalar: operator.ge,
                     aten.lt.Scalar: operator.lt, aten.le.Scalar: operator.le,
                     aten.eq.Scalar: operator.eq, aten.ne.Scalar: operator.ne}
 # ops that combine two known boolean values: op -> how
+# a range of indices against counts (known._against)
+_RANGE_COMPARES = frozenset({aten.lt.Tensor, aten.ge.Tensor, aten.le.Tensor, aten.gt.Tensor})
 _COMBINES = {aten.mul.Tensor: min, aten.logical_and.default: min,
              aten.bitwise_and.Tensor: min, aten.logical_or.default: max,
              aten.bitwise_or.Tensor: max}
@@ -109,7 +111,8 @@ _SHIFTS = frozenset({aten.add.Tensor, aten.add.Scalar})
 # arithmetic on sizes that makes 0-dim tensors (``torch.div(n, k, rounding_mode="trunc")``,
 # then ``- 1``: Longformer counts its chunks so), read back as a size with ``.item()``
 _SIZE_OPS = {aten.div.Tensor_mode: operator.floordiv, aten.add.Tensor: operator.add,
-             aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul}
+             aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul,
+             aten.rsub.Scalar: lambda a, b: b - a}
 
 _NOTHING, _MAKE, _KEEP, _WRITE, _NEGATE, _CHECK, _COMPARE, _COMBINE, _TRUTH, _CLAMP, _PICK, \
     _PAD, _RANGE, _SHIFT, _SIZE = range(15)
@@ -117,7 +120,7 @@ _NOTHING, _MAKE, _KEEP, _WRITE, _NEGATE, _CHECK, _COMPARE, _COMBINE, _TRUTH, _CL
 # the first); any other op that writes into an argument is a _WRITE
 _KINDS = ((_MAKE, (_MAKES,)), (_KEEP, (_KEEPS,)), (_NEGATE, (_NEGATES,)),
           (_CHECK, (_HEALTHY, _ASSERTS)),
-          (_COMPARE, (_SELF_COMPARE, _INF_COMPARE, _SCALAR_COMPARES)),
+          (_COMPARE, (_SELF_COMPARE, _INF_COMPARE, _SCALAR_COMPARES, _RANGE_COMPARES)),
           (_COMBINE, (_COMBINES,)), (_TRUTH, (_TRUTHS,)), (_CLAMP, (_CLAMPS,)),
           (_PICK, ({aten.where.self},)), (_PAD, (_PADS,)), (_RANGE, (_RANGES,)),
           (_SHIFT, (_SHIFTS,)), (_SIZE, (_SIZE_OPS,)))
@@ -125,6 +128,8 @@ _kinds: dict = {}
 _active: "_Known | None" = None
 # the most elements a storage known element by element may have
 SMALL = 4096
+# sums: of 0/1 values they make counts (of true elements), whose most is a size
+_SUMS = frozenset({aten.sum.default, aten.sum.dim_IntList})
 
 
 def _layout(t: torch.Tensor):
@@ -136,6 +141,12 @@ def _layout(t: torch.Tensor):
         return None
     return (nbytes // t.element_size(), tuple(t.shape), tuple(t.stride()),
             t.storage_offset())
+
+
+def _expr(n):
+    """A size as a sympy expression (an int as itself), read without a guard."""
+    node = getattr(n, "node", None)
+    return node.expr if node is not None else n
 
 
 def _flat(x) -> list:
@@ -161,12 +172,23 @@ class _Known:
         # storage -> what its value was taken to hold from (a healthy step's check), in words
         self.because: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.assumed: list[str] = []  # checks of values taken to hold, in words
+        # values read in Python control flow that the run has no data for, by site
+        # (memsim.tracer.data_dependent.Branch), in the order first read
+        self.branches: dict = {}
         # storage -> the size (a SymInt) a 0-dim tensor holds: ``torch.div`` of sizes
         self.sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # storage -> every element's value, a real 1-D tensor as long as the storage (a small
         # storage of concrete size: the indices of a mask's true elements, what is computed
         # from them)
         self.contents: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # storage -> the most each element can be, a size: counts of true elements (the sum
+        # of a boolean mask over a (B, S) dimension holds counts of at most S)
+        self.counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # storage -> the size every element is taken to hold (counts at the run's bound), and
+        # storage -> n for ``arange(n)`` (0, 1, ... n - 1): compared, they decide masks
+        # (``arange(most) < counts`` is all true where every count is at its most)
+        self.exactly: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.upto: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def mark(self, t: torch.Tensor, value: int = 1, because: str | None = None) -> None:
         self.bound(t, (value, value), because)
@@ -293,6 +315,8 @@ class _Known:
     def _compare(self, func, args, out) -> None:
         """A comparison: of a known value with a number, its answer (nothing assumed); of a
         floating tensor with itself or with infinity, a healthy step's answer."""
+        if func in _RANGE_COMPARES and self._against(func, args, out):
+            return
         if not (isinstance(out, torch.Tensor) and len(args) >= 2
                 and isinstance(args[0], torch.Tensor)):
             return
@@ -319,7 +343,20 @@ class _Known:
     def observe(self, func, args, kwargs, out) -> None:
         if self.contents and self._compute(func, args, kwargs, out):
             return
+        if func in _SUMS and self._count(func, args, kwargs, out):
+            return
         k = _kind(func)
+        if k == _KEEP and self.counts and args and isinstance(args[0], torch.Tensor):
+            most = self.counts.get(args[0].untyped_storage())
+            first = out[0] if isinstance(out, tuple) and out else out
+            if most is not None and isinstance(first, torch.Tensor):
+                self._counts(first, most)
+                return
+        if func is aten._to_copy.default and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype == torch.bool and self.bounds(args[0]) is None \
+                and isinstance(out, torch.Tensor):
+            self.bound(out, (0, 1))   # a boolean's values, converted
+            return
         if k == _NOTHING:
             return
         if func in _SIZE_OPS and self._size_arithmetic(func, args, kwargs, out) or k == _SIZE:
@@ -395,7 +432,50 @@ class _Known:
                     self.values.pop(t.untyped_storage(), None)
                     self.because.pop(t.untyped_storage(), None)
                     self.contents.pop(t.untyped_storage(), None)
+                    self.counts.pop(t.untyped_storage(), None)
+                    self.exactly.pop(t.untyped_storage(), None)
 
+
+    def _count(self, func, args, kwargs, out) -> bool:
+        """A sum of 0/1 values (a boolean mask, or values known to lie in [0, 1]), or of such
+        counts: counts of at most the elements summed over. Whether it was one."""
+        x = args[0] if args else None
+        if not (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)):
+            return False
+        each = self.counts.get(x.untyped_storage()) if self.counts else None
+        if each is None:
+            b = self.bounds(x) if x.dtype != torch.bool else (0, 1)
+            if b is None or b[0] < 0 or b[1] > 1:
+                return False
+            each = 1
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        if func is aten.sum.default or dims is None or len(dims) == 0:
+            over = x.numel()
+        else:
+            over = 1
+            for d in dims:
+                over = over * x.shape[d % max(x.dim(), 1)]
+        self._counts(out, each * over)
+        return True
+
+    def _counts(self, t: torch.Tensor, most) -> None:
+        """``t`` holds counts of at most ``most``; one count alone (a 0-dim tensor) is a size
+        from here on, at the bound the run answers data-dependent counts at
+        (:mod:`memsim.tracer.data_dependent`): arithmetic on it and reads of it follow it."""
+        from .data_dependent import count
+        st = t.untyped_storage()
+        self.counts[st] = most
+        if t.is_floating_point():
+            return
+        self.exactly[st] = count(most, None, "a count of true elements")
+        if t.dim() == 0:
+            self.sizes[st] = self.exactly[st]
+
+    def most(self, t) -> object | None:
+        """The most each element of ``t``'s storage can be, where it holds counts."""
+        if not (isinstance(t, torch.Tensor) and self.counts):
+            return None
+        return self.counts.get(t.untyped_storage())
 
     def _combine(self, func, args, out) -> None:
         """A product or logical and/or: of two known 0/1 values, its value; with one side
@@ -450,6 +530,31 @@ class _Known:
         step = args[2] if func is aten.arange.start_step and len(args) > 2 else 1
         if type(start) is int and start >= 0 and type(step) is int and step > 0:
             self.bound(out, (start, _INF))
+        end = args[0] if func is aten.arange.default else args[1] if len(args) > 1 else None
+        if start == 0 and step == 1 and end is not None and not isinstance(end, float):
+            self.upto[out.untyped_storage()] = end
+
+    def _against(self, func, args, out) -> bool:
+        """``arange(n)`` compared with counts that are all ``n`` (either side): every answer
+        the same (``<``: all true, ``>=``: all false). Whether it decided."""
+        if not (self.upto and self.exactly and isinstance(out, torch.Tensor) and len(args) >= 2
+                and all(isinstance(a, torch.Tensor) for a in args[:2])):
+            return False
+        a, b = (x.untyped_storage() for x in args[:2])
+        flip = False
+        n, v = self.upto.get(a), self.exactly.get(b)
+        if n is None or v is None:
+            n, v, flip = self.upto.get(b), self.exactly.get(a), True
+        if n is None or v is None or _expr(n) != _expr(v):
+            return False
+        # range < n everywhere: lt true, ge false (flipped: n > range, n <= range)
+        truth = {aten.lt.Tensor: 1, aten.ge.Tensor: 0, aten.le.Tensor: 1, aten.gt.Tensor: 0}
+        flipped = {aten.gt.Tensor: 1, aten.le.Tensor: 0, aten.ge.Tensor: 1, aten.lt.Tensor: 0}
+        got = (flipped if flip else truth).get(func)
+        if got is None:
+            return False
+        self.mark(out, got)
+        return True
 
     def _size(self, x):
         if type(x) is int or isinstance(x, torch.SymInt):
@@ -497,6 +602,13 @@ def tracking():
         _active = prev
 
 
+def branch(b) -> None:
+    """Record a value the run went on with where the model read one it has no data for (the
+    first read at each site)."""
+    if _active is not None:
+        _active.branches.setdefault(b.site, b)
+
+
 def assume(text: str) -> None:
     """Record a check of tensor values that the run takes to hold (for the report's notes)."""
     if _active is not None and text not in _active.assumed:
@@ -512,6 +624,12 @@ def mark(t: torch.Tensor) -> None:
 def bounds(t) -> tuple | None:
     """(lo, hi) of the values of ``t``'s storage known in the current run, or None."""
     return None if _active is None else _active.bounds(t)
+
+
+def most(t) -> object | None:
+    """The most each element of ``t`` can be where it holds counts of true elements (an int
+    or a SymInt), or None."""
+    return None if _active is None else _active.most(t)
 
 
 def contents(t: torch.Tensor) -> torch.Tensor | None:

@@ -180,6 +180,9 @@ class RunRecord:
     replays: int = 0
     # checks of tensor values the run took to hold, in words (tracer/known.py: assume)
     assumed: list = field(default_factory=list)
+    # values the model read in Python control flow that the run had no data for, and what it
+    # went on with (tracer/data_dependent.py: Branch), in the order first read
+    branches: list = field(default_factory=list)
     # storage id -> name of the parameter whose optimizer state or gradient it is (the plain
     # loop's warm-up; a storage made by an op that names no parameter)
     owners: dict = field(default_factory=dict)

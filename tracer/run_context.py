@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from . import fake_cache, known, progress
-from .data_dependent import bounded
+from .data_dependent import bounded, decisions
 from .errors import InputError
 from .functions import function_rules
 from .optimizer_state import optimizer_defaults_for
@@ -56,6 +56,7 @@ def enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, con
     stack.enter_context(modes_in_recompute(recorder))
     stack.enter_context(function_rules(config.device, config.cpu_isa))
     stack.enter_context(bounded(config.data_dependent))
+    stack.enter_context(decisions(config.assume))
     if patches is not None:
         stack.enter_context(patches(model))
     if transform is not None:

@@ -98,6 +98,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     recorder.shape_env = shape_env
     recorder.device_queries_unrecorded = driven   # a library's loop is traced whole
     was_training = model.training
+    tracker = None
     try:
         with contextlib.ExitStack() as stack:
             # the model as given for every trace: what this run changes is undone after it
@@ -120,6 +121,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
                        keep_outputs=config.keep_outputs)
             record.specialized = list(recorder.specialized)
             record.assumed = list(tracker.assumed)
+            record.branches = list(tracker.branches.values())
             del held
         if changed:
             record.assumed.append(changed_note(changed))
@@ -127,7 +129,11 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
     except BaseException as e:  # noqa: BLE001 - re-raised as a typed error
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise translate(e, recorder, hints) from e
+        err = translate(e, recorder, hints)
+        # the values the run went on with before it failed (a branch that raises: the trace
+        # tries the other)
+        err.branches = list(tracker.branches.values()) if tracker is not None else []
+        raise err from e
     finally:
         model.train(was_training)
     return record, shape_env, symbols

@@ -18,7 +18,7 @@ import torch
 
 from .config import StepConfig
 from .driver import Driver
-from . import fold, fold_stack
+from . import branching, fold, fold_stack
 from .fork import abandon, forked, joined
 from .errors import (DataDependentError, InputError, MemsimError, SpecializationError,
                      TraceError, UnsupportedOpError)
@@ -161,17 +161,21 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
         config.fold and not config.compiled and touched is not None
         and not (driver is not None and train)) else None
 
-    def run(hints: dict[str, int]) -> Trace:
+    def once(hints: dict[str, int], cfg: StepConfig) -> Trace:
         if stack is not None:
-            t = _folded(model, stack, specs, constants, config, hints, train=train,
+            t = _folded(model, stack, specs, constants, cfg, hints, train=train,
                         transform=transform, driver=driver, patches=patches)
         else:
-            t = _traced(model, specs, constants, config, hints, train=train,
+            t = _traced(model, specs, constants, cfg, hints, train=train,
                         transform=transform, driver=driver, patches=patches)
         # the previous step's output and loss, alive until the loop rebinds the names: added
         # to the finished run, whole or folded (a folded run's output grows with its blocks)
         add_previous_step(t.run)
         return t
+
+    def run(hints: dict[str, int]) -> Trace:
+        # a truth value the model reads without data: both ways (memsim.tracer.branching)
+        return branching.explore(once, hints, config)
 
     try:
         return run(hint_map)

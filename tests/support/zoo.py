@@ -470,3 +470,123 @@ class ToInForward(nn.Module):
     def forward(self, x):  # (B, d)
         self.lin = self.lin.to(torch.float32)
         return self.lin(x).relu().pow(2).mean()
+
+
+# sizes that depend on tensor values (tests/test_data_dependent.py)
+
+class MaskedSum(nn.Module):
+    """Boolean indexing, ``masked_select`` and ``torch.where(mask)`` of a mask that real data
+    decides: ``x > 0`` of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        keep = x > 0
+        rows, cols = torch.where(keep)
+        return (h[keep].sum() + torch.masked_select(h, keep).square().sum()
+                + h[rows, cols].exp().sum())
+
+
+class KnownMask(nn.Module):
+    """A mask whose values the run knows (made of ones): counted exactly, nothing assumed."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        keep = torch.ones_like(h, dtype=torch.bool)
+        drop = torch.zeros_like(h, dtype=torch.bool)
+        return h[keep].sum() + h[drop].sum()
+
+
+class ExpertLoop(nn.Module):
+    """A loop over the values of a small data-dependent tensor (Hugging Face's mixture-of-
+    experts loop iterates over ``mask.nonzero()`` of the experts hit): under the bound every
+    expert is hit, and the loop runs over each, as on data that routes to all of them."""
+
+    def __init__(self, experts=4):
+        super().__init__()
+        self.experts = experts
+        self.router = nn.Linear(8, experts)
+        self.w = nn.Parameter(torch.randn(experts, 8, 8) / 8)
+
+    def forward(self, x):
+        logits = self.router(x)
+        hit = (logits.abs().sum(0) > 0).nonzero()
+        out = torch.zeros_like(x)
+        for e in hit:
+            e = e[0]
+            if e == self.experts:   # a value read from the known indices
+                continue
+            tokens = (logits[:, e] > -1e9).nonzero().squeeze(-1)
+            out = out.index_add(0, tokens, F.linear(x[tokens], self.w[e]))
+        return out.square().sum()
+
+
+class Branchy(nn.Module):
+    """Two truth values read in Python: a check that raises on one branch, and a choice of
+    path whose first branch holds more."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if (x.abs() > 1e6).any():
+            raise ValueError("inputs out of range")
+        h = self.fc(x)
+        if (x > 0).all():
+            h = torch.cat([h, h.exp(), h.sin()], -1)
+        return h.square().sum()
+
+
+class MaskedAssign(nn.Module):
+    """``x[mask] = v`` (``index_put_`` with a boolean mask) on a copy of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        y = x.clone()
+        y[x > 0] = 0.0
+        return (h * y).sum()
+
+
+class Uniques(nn.Module):
+    """``unique`` (sorted, with inverse and counts, by rows) and ``unique_consecutive``: as
+    many values as the data holds distinct ones (random floats: every element)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        u = torch.unique(x)
+        v, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
+        rows = torch.unique(x, dim=0)
+        c = torch.unique_consecutive(x)
+        return (h.sum() + u.sum() + v.sum() + inverse.sum() + counts.sum() + rows.sum()
+                + c.sum())
+
+
+class CTC(nn.Module):
+    """CTC loss with the lengths as tensors, the targets selected by a mask (Hugging Face's
+    CTC heads do so): ``log_alpha`` is sized by the longest target."""
+
+    def __init__(self, classes=6):
+        super().__init__()
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x, labels):  # x (B, T, 8), labels (B, S)
+        log_probs = F.log_softmax(self.fc(x), -1).transpose(0, 1)
+        keep = labels > 0
+        lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        return F.ctc_loss(log_probs, labels.masked_select(keep), lengths, keep.sum(-1))
