@@ -318,6 +318,22 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_data_dependent.py::test_ctc_loss_and_a_check_that_raises_on_one_branch",),
              "CTC's log_alpha sized 2 L, not 2 L + 1"),
 
+    Mutation("routing-max-per-expert-all-slots", "tracer/data_dependent.py",
+             "        if bound.kind == \"max\":\n            return self.tokens\n",
+             "        if bound.kind == \"max\":\n            return self.tokens * self.k\n",
+             ("tests/test_data_dependent.py::test_mixture_of_experts_routing",),
+             "an expert under max routing counted in every slot of every token"),
+    Mutation("routing-every-expert-hit", "tracer/data_dependent.py",
+             "return list(range(self.k if bound.kind == \"max\" else self.n))",
+             "return list(range(self.n))",
+             ("tests/test_data_dependent.py::test_mixture_of_experts_routing",),
+             "under max routing every expert hit, not the k that take the tokens"),
+    Mutation("one-hot-compares", "tracer/functions.py",
+             "        if type(num_classes) is not int or num_classes < 0:\n            return None",
+             "        if True:\n            return None",
+             ("tests/test_data_dependent.py::test_mixture_of_experts_routing",),
+             "F.one_hot left to the fake kernel's comparison (a boolean mask more)"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

@@ -177,3 +177,56 @@ def test_a_truth_value_read_without_data_is_tried_both_ways():
     local = predict(_led, LED, assume={site: False})
     assert not any("taken as True" in n for n in local.notes), local.notes
     check(local, _led, LED, [{"B": 2, "S": 16}, {"B": 3, "S": 24}])
+
+
+@pytest.mark.parametrize("bound, force", [("max", "same"), ("balanced", "spread")])
+def test_top_k_routing_in_an_eager_expert_loop(bound, force):
+    import functools
+    x = {"x": ("float32", ["B", "S", 16])}
+    report = predict(zoo.TopKExperts, x, data_dependent=bound)
+    assert any("routing:" in n for n in report.notes), report.notes
+    check(report, functools.partial(zoo.TopKExperts, force=force), x,
+          [{"B": 2, "S": 4}, {"B": 3, "S": 6}])
+
+
+def _qwen2_moe_eager():
+    import transformers as T
+    config = T.Qwen2MoeConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    config._experts_implementation = "eager"   # the loop over the experts hit
+    return T.Qwen2MoeForCausalLM(config)
+
+
+def _routed(spread: bool):
+    """A real run's routing forced: every token to experts 0 and 1 (``spread=False``), or token
+    t's slot j to expert (2 t + j) mod 4 (each expert an equal share). The router's indices are
+    overwritten in place (``.data``: no new memory, autograd's saved copy untouched)."""
+    def hook(module, args, out):
+        idx = out[2].data
+        if spread:
+            tokens = torch.arange(idx.numel()).remainder_(module.num_experts)
+            idx.view(-1).copy_(tokens)
+        else:
+            for j in range(idx.shape[-1]):
+                idx[:, j].fill_(j)
+    return hook
+
+
+@pytest.mark.parametrize("bound, spread", [("max", False), ("balanced", True)])
+def test_mixture_of_experts_routing(bound, spread):
+    """Qwen2-MoE's eager expert loop: ``max`` routes every token to the same k experts (each
+    takes all tokens: the most one expert can), ``balanced`` spreads them evenly; each equals a
+    real run whose router is forced so."""
+    pytest.importorskip("transformers")
+    LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
+    report = predict(_qwen2_moe_eager, LM, data_dependent=bound)
+    assert any("routing:" in n for n in report.notes), report.notes
+
+    def forced():
+        model = _qwen2_moe_eager()
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_hook(_routed(spread))
+        return model
+    check(report, forced, LM, [{"B": 2, "S": 8}, {"B": 3, "S": 6}])

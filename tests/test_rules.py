@@ -316,6 +316,11 @@ def _traces():
         analyze(model, {"x": ("float32", ["B", 8])}, device="cpu", inference=False)
     analyze(ctc, {"x": ("float32", ["B", "T", 8]), "labels": ("int64", ["B", "S"])},
             device="cpu", inference=False)
+    # F.one_hot as the kernels run it, on each device (a mixture of experts' eager loop)
+    with meta():
+        experts = zoo.TopKExperts()
+    for device in ("cpu", "cuda"):
+        analyze(experts, {"x": ("float32", ["B", "S", 16])}, device=device, inference=False)
     # FSDP2's reduce-scatter on the CPU: gloo's copy of the input
     with meta():
         mlp = O.mlp_model(blocks=1)

@@ -10,7 +10,11 @@ size the run can carry instead, chosen by the option ``data_dependent`` (:class:
   bound, and it is exact for data that makes every element true.
 - a fraction ``f`` in (0, 1]: ``ceil(f * most)`` (``0.15`` for masked-language-model labels of
   which 15% are kept).
-- ``balanced``: as ``max`` for masks; the word routing spreads tokens evenly with.
+- ``balanced``: as ``max`` for masks; a mixture of experts' routing spread evenly.
+
+A mixture of experts' routing is followed from its ``topk`` (:mod:`memsim.tracer.known`): the
+tokens each expert takes and the experts hit are the routing's (:class:`Route`), not each
+mask's own bound.
 
 What is known of the mask's values (:mod:`memsim.tracer.known`: a mask of ones, an all-true
 comparison, the values of a small concrete tensor) decides the count exactly, with nothing
@@ -159,9 +163,70 @@ def _all_indices(shape) -> torch.Tensor | None:
                             dtype=torch.long).reshape(n, len(shape))
 
 
+@dataclass(frozen=True)
+class Route:
+    """A mixture of experts' routing (followed by :mod:`memsim.tracer.known` from ``topk``):
+    each of ``tokens`` tokens picks ``k`` distinct experts of ``n``."""
+
+    k: int
+    n: int
+    tokens: object  # an int or a SymInt
+
+    def experts_hit(self, bound: Bound) -> list[int]:
+        """The experts that receive tokens at ``bound``: the first ``k`` when every token
+        goes to the same ones (``max``), all ``n`` when they are spread."""
+        return list(range(self.k if bound.kind == "max" else self.n))
+
+    def tokens_of(self, expert: int, bound: Bound):
+        """How many tokens ``expert`` receives at ``bound``: every token (``max``: each of the
+        first ``k`` experts takes all of them, the most one expert can take), ``ceil(k T /
+        n)`` (``balanced``), ``ceil(f T)`` (a fraction)."""
+        if expert not in self.experts_hit(bound):
+            return 0
+        if bound.kind == "max":
+            return self.tokens
+        share = Fraction(self.k, self.n) if bound.kind == "balanced" else bound.fraction
+        return _ceil_fraction(self.tokens, share)
+
+    def describe(self, bound: Bound) -> str:
+        if bound.kind == "max":
+            return (f"routing: every token to the same {self.k} of {self.n} experts, each "
+                    "taking all of them (the most tokens one expert can take; "
+                    "--data-dependent balanced spreads them evenly)")
+        if bound.kind == "balanced":
+            return (f"routing: tokens spread evenly, {self.k}/{self.n} of them to each of the "
+                    f"{self.n} experts (--data-dependent balanced)")
+        return (f"routing: {float(bound.fraction):g} of the tokens to each of the {self.n} "
+                "experts (--data-dependent)")
+
+
+def _routed(x: torch.Tensor, op: str):
+    """``(count, values)`` of ``nonzero`` over a routing's mask (the experts hit, or one
+    expert's slots and tokens), at the run's bound; None where ``x`` is no such mask."""
+    got = known.routed(x)
+    if got is None:
+        return None
+    route, expert = got
+    bound = _BOUND.get()
+    from .sources import model_line
+    known.assume(f"data-dependent size: {op}{model_line()}: {route.describe(bound)}")
+    if expert is None:
+        hit = route.experts_hit(bound)
+        with unset_fake_temporarily():
+            return len(hit), torch.tensor(hit, dtype=torch.long).reshape(len(hit), 1)
+    return route.tokens_of(expert, bound), None
+
+
 def _nonzero_of(x: torch.Tensor, op: str) -> torch.Tensor:
     """``x.nonzero()`` with the count the bound gives (a fake tensor; its values known where
     the mask's are, or where every element is taken as true and the mask is small)."""
+    routed = _routed(x, op)
+    if routed is not None:
+        n, values = routed
+        out = torch.empty((n, x.dim()), dtype=torch.long, device=x.device)
+        if values is not None and x.dim() == 1:
+            known.set_contents(out, values)
+        return out
     n = count(x.numel(), x, op)
     out = torch.empty((n, x.dim()), dtype=torch.long, device=x.device)
     real = known.contents(x)

@@ -114,6 +114,29 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     return op(*args)
 
 
+def _one_hot(checked: bool):
+    def one_hot(tensor, num_classes=-1):
+        """``F.one_hot`` as ATen's kernel runs it: ``zeros(..., C).scatter_(-1, idx[..., None],
+        1)``, after (on the CPU) one ``aminmax`` of the indices to check their range; a fake
+        tensor takes a comparison path instead (a boolean (..., C) tensor, then its copy)."""
+        if type(num_classes) is not int or num_classes < 0:
+            return None
+        if checked and tensor.numel() != 0:
+            torch.aminmax(tensor)   # its two values are read to check them, then dropped
+        out = torch.zeros(tuple(tensor.shape) + (num_classes,), dtype=tensor.dtype,
+                          device=tensor.device)
+        return out.scatter_(-1, tensor.unsqueeze(-1), 1)
+    return one_hot
+
+
+rule(Kind.FUNCTION, F.one_hot, device="cpu",
+     doc="F.one_hot: zeros and a scatter, after an aminmax of the indices (their range "
+         "check), as the CPU kernel runs it (a fake tensor compares instead)")(_one_hot(True))
+rule(Kind.FUNCTION, F.one_hot, device="cuda",
+     doc="F.one_hot: zeros and a scatter (CUDA checks the range in the scatter), as the "
+         "kernel runs it (a fake tensor compares instead)")(_one_hot(False))
+
+
 @contextlib.contextmanager
 def flex_attention_eager(device: str):
     """FlexAttention as PyTorch runs it on ``device``. Eagerly: the unfused implementation (the

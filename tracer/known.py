@@ -130,6 +130,8 @@ _active: "_Known | None" = None
 SMALL = 4096
 # sums: of 0/1 values they make counts (of true elements), whose most is a size
 _SUMS = frozenset({aten.sum.default, aten.sum.dim_IntList})
+# the ops of a mixture of experts' routing (known._route)
+_ROUTING = _SUMS | {aten.topk.default, aten.scatter_.value, aten.gt.Scalar, aten.ne.Scalar}
 
 
 def _layout(t: torch.Tensor):
@@ -189,6 +191,14 @@ class _Known:
         # (``arange(most) < counts`` is all true where every count is at its most)
         self.exactly: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.upto: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # a mixture of experts' routing, followed from ``topk``'s indices (:class:`Route`):
+        # storage -> Route for the indices; -> (Route, classes) for their one-hot mask;
+        # -> Route for the tokens per expert (the mask summed over tokens and slots), and for
+        # which experts are hit (those counts > 0)
+        self.routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.onehot: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.per_expert: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.hit: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def mark(self, t: torch.Tensor, value: int = 1, because: str | None = None) -> None:
         self.bound(t, (value, value), because)
@@ -343,6 +353,8 @@ class _Known:
     def observe(self, func, args, kwargs, out) -> None:
         if self.contents and self._compute(func, args, kwargs, out):
             return
+        if func in _ROUTING and self._route(func, args, kwargs, out):
+            return
         if func in _SUMS and self._count(func, args, kwargs, out):
             return
         k = _kind(func)
@@ -435,6 +447,77 @@ class _Known:
                     self.counts.pop(t.untyped_storage(), None)
                     self.exactly.pop(t.untyped_storage(), None)
 
+
+    def _route(self, func, args, kwargs, out) -> bool:
+        """A mixture of experts' routing, op by op: ``topk``'s indices (``k`` distinct experts
+        of ``n`` per token), their one-hot mask (``zeros(..., C).scatter_(-1, idx[..., None],
+        1)``, what ``F.one_hot`` runs), that mask summed over tokens and slots (tokens per
+        expert), compared with 0 (experts hit). Whether the op was one of them (a scatter also
+        writes: the caller forgets what it knew of the target)."""
+        if func is aten.topk.default:
+            k = args[1] if len(args) > 1 else kwargs.get("k")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            x, idx = args[0], out[1]
+            if type(k) is not int or x.dim() == 0:
+                return False
+            n = x.shape[dim]
+            if type(n) is not int or dim % x.dim() != x.dim() - 1:
+                return False
+            tokens = 1
+            for d in x.shape[:-1]:
+                tokens = tokens * d
+            from .data_dependent import Route
+            self.routes[idx.untyped_storage()] = Route(k, n, tokens)
+            return False
+        if func is aten.scatter_.value:
+            target, dim, index = args[0], args[1], args[2]
+            value = args[3] if len(args) > 3 else kwargs.get("value")
+            route = self.routes.get(index.untyped_storage()) if self.routes else None
+            if (route is not None and value == 1 and dim % target.dim() == target.dim() - 1
+                    and index.shape[-1] == 1 and self.exact(target) == 0
+                    and type(target.shape[-1]) is int and target.shape[-1] >= route.n
+                    and target.stride(-1) == 1 and target.dim() >= 2
+                    and target.stride(-2) == target.shape[-1]):
+                self.onehot[target.untyped_storage()] = (route, target.shape[-1])
+            return False
+        if func in _SUMS:
+            mask = self.onehot.get(args[0].untyped_storage()) if self.onehot else None
+            if mask is None or not isinstance(out, torch.Tensor):
+                return False
+            route, classes = mask
+            kept = [d for d in range(args[0].dim()) if d not in
+                    {x % args[0].dim() for x in (args[1] if len(args) > 1 else ())}]
+            if func is aten.sum.dim_IntList and len(kept) == 1 \
+                    and args[0].stride(kept[0]) == 1 and args[0].shape[kept[0]] == classes:
+                self.per_expert[out.untyped_storage()] = route
+                return True
+            return False
+        if func in (aten.gt.Scalar, aten.ne.Scalar):
+            route = self.per_expert.get(args[0].untyped_storage()) if self.per_expert else None
+            if route is not None and args[1] == 0 and isinstance(out, torch.Tensor):
+                self.hit[out.untyped_storage()] = route
+                return True
+        return False
+
+    def routed(self, t: torch.Tensor):
+        """``(Route, expert)`` where ``t`` is one expert's slice of a routing's one-hot mask
+        (its slots and tokens, whole), ``(Route, None)`` where it is the experts hit, or
+        None."""
+        st = t.untyped_storage()
+        if self.hit and st in self.hit:
+            return self.hit[st], None
+        mask = self.onehot.get(st) if self.onehot else None
+        if mask is None:
+            return None
+        route, classes = mask
+        # the mask is (tokens..., k, classes), contiguous: a slice of one expert is every dim
+        # but the classes', starting at that expert's column
+        import sympy
+        if any(type(s) is int and s == 1 and type(n) is int and n == classes
+               for s, n in zip(t.stride(), t.shape)) or type(t.storage_offset()) is not int \
+                or sympy.expand(_expr(t.numel()) - _expr(route.tokens) * route.k) != 0:
+            return None
+        return route, t.storage_offset()
 
     def _count(self, func, args, kwargs, out) -> bool:
         """A sum of 0/1 values (a boolean mask, or values known to lie in [0, 1]), or of such
@@ -630,6 +713,11 @@ def most(t) -> object | None:
     """The most each element of ``t`` can be where it holds counts of true elements (an int
     or a SymInt), or None."""
     return None if _active is None else _active.most(t)
+
+
+def routed(t: torch.Tensor):
+    """:meth:`_Known.routed` in the current run."""
+    return None if _active is None else _active.routed(t)
 
 
 def contents(t: torch.Tensor) -> torch.Tensor | None:

@@ -590,3 +590,35 @@ class CTC(nn.Module):
         keep = labels > 0
         lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
         return F.ctc_loss(log_probs, labels.masked_select(keep), lengths, keep.sum(-1))
+
+
+class TopKExperts(nn.Module):
+    """A mixture of experts as Hugging Face's eager expert loop runs it: top-k routing, a
+    one-hot mask of the choices, a loop over the experts hit, each expert's tokens picked with
+    ``torch.where``. ``force``: the routing real data would give (None: the router's own)."""
+
+    def __init__(self, d=16, experts=4, k=2, hidden=24, force=None):
+        super().__init__()
+        self.experts, self.k, self.force = experts, k, force
+        self.router = nn.Linear(d, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, hidden, d) / d)
+        self.down = nn.Parameter(torch.randn(experts, d, hidden) / hidden)
+
+    def forward(self, x):  # (B, S, d)
+        h = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(self.router(h).softmax(-1), self.k, dim=-1)
+        if self.force == "same":        # every token to experts 0..k-1
+            for j in range(self.k):
+                chosen.data[:, j].fill_(j)
+        elif self.force == "spread":    # token t's slot j to expert (k t + j) mod experts
+            chosen.data.view(-1).copy_(torch.arange(chosen.numel()).remainder_(self.experts))
+        out = torch.zeros_like(h)
+        with torch.no_grad():
+            mask = F.one_hot(chosen, num_classes=self.experts).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            e = e[0]
+            slot, token = torch.where(mask[e])
+            y = F.linear(F.silu(F.linear(h[token], self.up[e])), self.down[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out.reshape(x.shape).square().sum()
