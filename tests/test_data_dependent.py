@@ -82,6 +82,27 @@ def test_masked_assignment_unique_and_ctc_against_real_runs():
                                       labels=torch.ones(pt["B"], pt["S"], dtype=torch.long)))
 
 
+def test_torch_transformer_with_masks():
+    """``nn.Transformer`` reads whether its target mask is causal (``torch.equal``) in Python:
+    both ways run, the larger answered (an upper bound: a mask materialized); given True, as the
+    real run's causal mask makes it, the figures equal the real run's."""
+    inputs = {"src": ("float32", ["B", "S", 32]), "tgt": ("float32", ["B", "T", 32]),
+              "src_key_padding_mask": ("bool", ["B", "S"])}
+
+    def real(pt):
+        x = example_inputs(inputs, pt)
+        x["src_key_padding_mask"] = torch.zeros(pt["B"], pt["S"], dtype=torch.bool)
+        return x
+    report = predict(zoo.TorchTransformer, inputs, inference=False)
+    note = next(n for n in report.notes if "taken as False, the branch that holds more" in n)
+    site = note.split(" at ")[1].split(" ")[0]
+    point = {"B": 2, "S": 5, "T": 6}
+    given = predict(zoo.TorchTransformer, inputs, inference=False, assume={site: True})
+    check(given, zoo.TorchTransformer, inputs, [point], real_inputs=real)
+    assert figures(report, **point)["train"]["saved_activations"] > \
+        figures(given, **point)["train"]["saved_activations"]
+
+
 def test_the_bound_is_checked_and_named():
     from memsim.tracer import InputError, StepConfig
     assert str(StepConfig(data_dependent="0.5").data_dependent) == "0.5"
@@ -228,5 +249,45 @@ def test_mixture_of_experts_routing(bound, spread):
         model = _qwen2_moe_eager()
         for layer in model.model.layers:
             layer.mlp.gate.register_forward_hook(_routed(spread))
+        return model
+    check(report, forced, LM, [{"B": 2, "S": 8}, {"B": 3, "S": 6}])
+
+
+def _jetmoe():
+    import transformers as T
+    return T.JetMoeForCausalLM(T.JetMoeConfig(
+        hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, vocab_size=100,
+        max_position_embeddings=64))
+
+
+def _forced_logits(spread: bool):
+    """A router's logits overwritten in place so that its top-k picks experts 0..k-1 for every
+    token (or (k t + j) mod n for token t's slot j): fills only, no new memory."""
+    def hook(module, args, out):
+        logits, k = out.data, 2
+        logits.fill_(-1e4)
+        for t in range(logits.shape[0]):
+            for j in range(k):
+                e = (k * t + j) % logits.shape[1] if spread else j
+                logits[t, e:e + 1].fill_(1e4 - j)
+    return hook
+
+
+@pytest.mark.parametrize("bound, spread", [("max", False), ("balanced", True)])
+def test_routing_read_as_a_list_of_sizes(bound, spread):
+    """JetMoE's router counts the tokens per expert (``gates.long().sum(0).tolist()``) and
+    splits the tokens by them: each count is the routing's at the bound, equal to a real run
+    whose router picks so."""
+    pytest.importorskip("transformers")
+    LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
+    report = predict(_jetmoe, LM, data_dependent=bound)
+    assert any("tokens per expert" in n for n in report.notes), report.notes
+
+    def forced():
+        model = _jetmoe()
+        for name, m in model.named_modules():
+            if name.endswith("router.layer"):
+                m.register_forward_hook(_forced_logits(spread))
         return model
     check(report, forced, LM, [{"B": 2, "S": 8}, {"B": 3, "S": 6}])

@@ -38,7 +38,7 @@ def explore(once: Callable, hints: dict[str, int], config):
             break
         except TraceError as e:
             free = [b for b in getattr(e, "branches", ()) if not b.given]
-            if not getattr(e, "sizes", None) or not free or len(notes) >= MOST:
+            if not free or len(notes) >= MOST:
                 raise
             b = free[-1]   # the last value read before the model raised
             given[b.site] = not b.value
@@ -58,19 +58,24 @@ def explore(once: Callable, hints: dict[str, int], config):
         else:
             value, other_value, more, less = b.value, not b.value, here, there
         given[b.site] = value
+        which = (f"the branch that holds more ({more:,} B against {less:,} B with "
+                 f"{other_value}, at {at})" if more != less else
+                 f"both branches hold the same ({more:,} B at {at})")
         notes.append(
             f"a tensor value read in Python at {b.site} ({b.code}) is not known in a "
-            f"symbolic run: taken as {value}, the branch that holds more ({more:,} B against "
-            f"{less:,} B with {other_value}, at {at}); --assume {b.site}={other_value} for "
+            f"symbolic run: taken as {value}, {which}; --assume {b.site}={other_value} for "
             "the other")
     t.run.assumed.extend(notes)
     return t
 
 
 def _raised(b, value, err: TraceError) -> str:
-    """The note for a line taken as ``value`` because the other way the model raised."""
+    """The note for a line taken as ``value`` because the other way failed: the model raised
+    (its own check), or the trace could not go on (then the other branch is not answered)."""
+    why = ("the model fails" if getattr(err, "sizes", None) else
+           "the trace cannot go on, so that branch is not answered")
     return (f"a tensor value read in Python at {b.site} ({b.code}) is not known in a symbolic "
-            f"run: taken as {value}, since with {not value} the model fails ({err.message}); "
+            f"run: taken as {value}, since with {not value} {why} ({err.message}); "
             f"--assume {b.site}=VALUE to give it")
 
 

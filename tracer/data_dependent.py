@@ -179,14 +179,16 @@ class Route:
 
     def tokens_of(self, expert: int, bound: Bound):
         """How many tokens ``expert`` receives at ``bound``: every token (``max``: each of the
-        first ``k`` experts takes all of them, the most one expert can take), ``ceil(k T /
-        n)`` (``balanced``), ``ceil(f T)`` (a fraction)."""
+        first ``k`` experts takes all of them, the most one expert can take); the ``k T``
+        choices dealt round-robin (``balanced``: ``(k T + n - 1 - e) // n`` for expert ``e``,
+        which add up to ``k T``); ``ceil(f T)`` (a fraction)."""
         if expert not in self.experts_hit(bound):
             return 0
         if bound.kind == "max":
             return self.tokens
-        share = Fraction(self.k, self.n) if bound.kind == "balanced" else bound.fraction
-        return _ceil_fraction(self.tokens, share)
+        if bound.kind == "balanced":
+            return (self.tokens * self.k + self.n - 1 - expert) // self.n
+        return _ceil_fraction(self.tokens, bound.fraction)
 
     def describe(self, bound: Bound) -> str:
         if bound.kind == "max":
@@ -194,8 +196,9 @@ class Route:
                     "taking all of them (the most tokens one expert can take; "
                     "--data-dependent balanced spreads them evenly)")
         if bound.kind == "balanced":
-            return (f"routing: tokens spread evenly, {self.k}/{self.n} of them to each of the "
-                    f"{self.n} experts (--data-dependent balanced)")
+            return (f"routing: the {self.k} choices of every token dealt round-robin over the "
+                    f"{self.n} experts, {self.k}/{self.n} of the tokens to each "
+                    "(--data-dependent balanced)")
         return (f"routing: {float(bound.fraction):g} of the tokens to each of the {self.n} "
                 "experts (--data-dependent)")
 
@@ -215,6 +218,20 @@ def _routed(x: torch.Tensor, op: str):
         with unset_fake_temporarily():
             return len(hit), torch.tensor(hit, dtype=torch.long).reshape(len(hit), 1)
     return route.tokens_of(expert, bound), None
+
+
+def routed_tokens(t: torch.Tensor):
+    """The tokens one expert takes, where ``t`` is that expert's element of a routing's
+    tokens per expert read as a number (noted), or None."""
+    got = known.tokens_per_expert(t)
+    if got is None:
+        return None
+    route, expert = got
+    bound = _BOUND.get()
+    from .sources import model_line
+    known.assume(f"data-dependent size: tokens per expert{model_line()}: "
+                 f"{route.describe(bound)}")
+    return route.tokens_of(expert, bound)
 
 
 def _nonzero_of(x: torch.Tensor, op: str) -> torch.Tensor:
@@ -404,10 +421,11 @@ def site_here() -> tuple[str, str] | None:
     return f"{os.path.basename(fr.filename)}:{fr.lineno}", (fr.line or "").strip()
 
 
-def decide(t: torch.Tensor):
-    """The value a read of ``t`` (a value the run does not know) goes on with: the one given
-    for its site, else True for a truth value (the other branch is tried by the trace), else
-    None (a number: only a given value answers it). Recorded as a :class:`Branch`."""
+def decide(t: torch.Tensor | None):
+    """The value a read of ``t`` (a value the run does not know; None: a truth value an op
+    computes from data) goes on with: the one given for its site, else True for a truth value
+    (the other branch is tried by the trace), else None (a number: only a given value answers
+    it). Recorded as a :class:`Branch`."""
     here = site_here()
     if here is None:
         return None
@@ -415,13 +433,23 @@ def decide(t: torch.Tensor):
     given = _DECISIONS.get()
     if site in given:
         value, was_given = given[site], True
-    elif t.dtype == torch.bool:
+    elif t is None or t.dtype == torch.bool:
         value, was_given = True, False
     else:
         return None
     known.branch(Branch(site, value, was_given, code))
     return value
 
+
+
+@rule(Kind.ATEN, aten._nested_tensor_from_mask_left_aligned.default,
+      doc="whether a padding mask is left-aligned (nn.TransformerEncoder's fast path asks): a "
+          "truth value of the data, tried both ways (tracer/branching.py)")
+def _left_aligned(recorder, func, args, kwargs):
+    v = decide(None)
+    if v is None:
+        return func(*args, **kwargs)
+    return bool(v)
 
 def parse_assumptions(text: str) -> dict:
     """``--assume`` values: ``file.py:LINE=VALUE`` items, comma-separated (True/False, ints,

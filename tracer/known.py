@@ -131,7 +131,8 @@ SMALL = 4096
 # sums: of 0/1 values they make counts (of true elements), whose most is a size
 _SUMS = frozenset({aten.sum.default, aten.sum.dim_IntList})
 # the ops of a mixture of experts' routing (known._route)
-_ROUTING = _SUMS | {aten.topk.default, aten.scatter_.value, aten.gt.Scalar, aten.ne.Scalar}
+_ROUTING = _SUMS | {aten.topk.default, aten.scatter_.value, aten.scatter.value,
+                    aten._to_copy.default, aten.gt.Scalar, aten.ne.Scalar}
 
 
 def _layout(t: torch.Tensor):
@@ -469,16 +470,23 @@ class _Known:
             from .data_dependent import Route
             self.routes[idx.untyped_storage()] = Route(k, n, tokens)
             return False
-        if func is aten.scatter_.value:
+        if func in (aten.scatter_.value, aten.scatter.value):
+            # one-hot: (tokens..., k, C) from idx[..., None]; several-hot: (tokens, C) from idx
             target, dim, index = args[0], args[1], args[2]
             value = args[3] if len(args) > 3 else kwargs.get("value")
             route = self.routes.get(index.untyped_storage()) if self.routes else None
+            made = target if func is aten.scatter_.value else out
             if (route is not None and value == 1 and dim % target.dim() == target.dim() - 1
-                    and index.shape[-1] == 1 and self.exact(target) == 0
+                    and index.shape[-1] in (1, route.k) and self.exact(target) == 0
                     and type(target.shape[-1]) is int and target.shape[-1] >= route.n
-                    and target.stride(-1) == 1 and target.dim() >= 2
-                    and target.stride(-2) == target.shape[-1]):
-                self.onehot[target.untyped_storage()] = (route, target.shape[-1])
+                    and made.stride(-1) == 1 and made.dim() >= 2
+                    and made.stride(-2) == made.shape[-1]):
+                self.onehot[made.untyped_storage()] = (route, target.shape[-1])
+            return False
+        if func is aten._to_copy.default:
+            mask = self.onehot.get(args[0].untyped_storage()) if self.onehot else None
+            if mask is not None and isinstance(out, torch.Tensor) and out.is_contiguous():
+                self.onehot[out.untyped_storage()] = mask
             return False
         if func in _SUMS:
             mask = self.onehot.get(args[0].untyped_storage()) if self.onehot else None
@@ -498,6 +506,14 @@ class _Known:
                 self.hit[out.untyped_storage()] = route
                 return True
         return False
+
+    def tokens_per_expert(self, t: torch.Tensor):
+        """``(Route, expert)`` where ``t`` is one element of a routing's tokens per expert
+        (read as a number: JetMoE's ``.tolist()``), or None."""
+        route = self.per_expert.get(t.untyped_storage()) if self.per_expert else None
+        if route is None or t.numel() != 1 or type(t.storage_offset()) is not int:
+            return None
+        return route, t.storage_offset()   # the counts are (C,), one per expert, contiguous
 
     def routed(self, t: torch.Tensor):
         """``(Route, expert)`` where ``t`` is one expert's slice of a routing's one-hot mask
@@ -718,6 +734,11 @@ def most(t) -> object | None:
 def routed(t: torch.Tensor):
     """:meth:`_Known.routed` in the current run."""
     return None if _active is None else _active.routed(t)
+
+
+def tokens_per_expert(t: torch.Tensor):
+    """:meth:`_Known.tokens_per_expert` in the current run."""
+    return None if _active is None else _active.tokens_per_expert(t)
 
 
 def contents(t: torch.Tensor) -> torch.Tensor | None:

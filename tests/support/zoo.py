@@ -622,3 +622,18 @@ class TopKExperts(nn.Module):
             y = F.linear(F.silu(F.linear(h[token], self.up[e])), self.down[e])
             out.index_add_(0, token, y * weights[token, slot, None])
         return out.reshape(x.shape).square().sum()
+
+
+class TorchTransformer(nn.Module):
+    """``nn.Transformer`` with a source padding mask and a causal target mask: its layers read
+    the masks' values in Python (whether the target mask is causal, whether the padding is
+    left-aligned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
+                                dim_feedforward=64, batch_first=True, dropout=0.0)
+
+    def forward(self, src, tgt, src_key_padding_mask):
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        return self.t(src, tgt, src_key_padding_mask=src_key_padding_mask, tgt_mask=causal)
