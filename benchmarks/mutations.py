@@ -334,6 +334,26 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_data_dependent.py::test_mixture_of_experts_routing",),
              "F.one_hot left to the fake kernel's comparison (a boolean mask more)"),
 
+    Mutation("json-conditions-dropped", "memsim/render.py",
+             "\"conditions\": [formula(c) for c in (trace.conditions if trace is not None else ())]",
+             "\"conditions\": []",
+             ("tests/test_report_json.py",),
+             "the JSON's formulas without the conditions they hold under"),
+    Mutation("json-python-mod-unparsable", "memsim/formats.py",
+             "swap = {tf.PythonMod: sympy.Mod,", "swap = {",
+             ("tests/test_report_json.py",),
+             "PyTorch's PythonMod left in a formula: sympy cannot evaluate it"),
+    Mutation("left-aligned-not-branched", "tracer/data_dependent.py",
+             "    v = decide(None)\n    if v is None:\n        return func(*args, **kwargs)\n    return bool(v)",
+             "    return func(*args, **kwargs)",
+             ("tests/test_data_dependent.py::test_torch_transformer_with_masks",),
+             "nn.TransformerEncoder's left-aligned check sent to a kernel fake mode lacks"),
+    Mutation("routing-tolist-not-followed", "tracer/kernels.py",
+             "    if tokens is not None:\n        return tokens\n",
+             "    if False:\n        return tokens\n",
+             ("tests/test_data_dependent.py::test_routing_read_as_a_list_of_sizes",),
+             "JetMoE's tokens per expert read as sizes refused"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

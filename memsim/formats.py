@@ -49,8 +49,18 @@ def human(n: int | None) -> str:
 
 
 def formula(expr: sympy.Expr) -> str:
-    """A sympy-parsable string in the user's symbols."""
-    return sympy.sstr(expr, order="grlex")
+    """A sympy-parsable string in the user's symbols (PyTorch's own integer functions, which
+    plain sympy does not know by name, written as sympy's: ``PythonMod`` is ``Mod``)."""
+    return sympy.sstr(_plain(expr), order="grlex")
+
+
+def _plain(expr):
+    from torch.utils._sympy import functions as tf
+    swap = {tf.PythonMod: sympy.Mod, tf.IntTrueDiv: lambda a, b: a / b,
+            tf.CeilToInt: sympy.ceiling, tf.FloorToInt: sympy.floor}
+    if not isinstance(expr, sympy.Basic) or not any(expr.has(f) for f in swap):
+        return expr
+    return expr.replace(lambda e: type(e) in swap, lambda e: swap[type(e)](*e.args))
 
 
 _UNITS = ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB"))

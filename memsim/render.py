@@ -104,13 +104,23 @@ def _depth(report: Report):
 
 
 def _figures(report: Report, point) -> dict:
+    """Each step's figures, with where its formulas hold: ``valid``, each symbol's range and the
+    trace's other conditions (sympy-parsable; ``Report.at`` refuses a point outside them)."""
     out = {}
     if report.train is not None:
         out["train"] = {f: figure_json(report.train, getattr(report.train, f), point)
                         for f in TRAIN_FIELDS}
+        out["train"]["valid"] = _valid(report, report.train)
     if report.inference is not None:
-        out["inference"] = {"peak": figure_json(report.inference, report.inference.peak, point)}
+        out["inference"] = {"peak": figure_json(report.inference, report.inference.peak, point),
+                            "valid": _valid(report, report.inference)}
     return out
+
+
+def _valid(report: Report, step) -> dict:
+    trace = getattr(step, "trace", None)
+    return {"ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()},
+            "conditions": [formula(c) for c in (trace.conditions if trace is not None else ())]}
 
 
 def _code_paths_json(report: Report) -> dict:
