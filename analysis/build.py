@@ -9,8 +9,8 @@ from typing import Mapping
 
 import torch
 
-from memsim.tracer import (InputError, SpecializationError, StepConfig, TraceError,
-                           is_tensor_spec, make_spec, trace)
+from memsim.tracer import (InputError, MemsimError, SpecializationError, StepConfig,
+                           TraceError, is_tensor_spec, make_spec, trace)
 from memsim.tracer import hf
 from memsim.tracer.rnn_cuda import reserve_notes
 
@@ -117,11 +117,23 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
         tr_step = step_memory(t)
         modules = module_savings(t, _module_types(model))
         other.update(t.run.other_ops)
+    unanswered = []
     if inference:
-        t = trace(model, inputs, run_config, train=False, **kw)
-        inf_step = step_memory(t)
-        for k, v in t.run.other_ops.items():
-            other[k] = other.get(k, 0) + v
+        try:
+            t = trace(model, inputs, run_config, train=False, **kw)
+        except SpecializationError:
+            raise   # a pinned symbol: fitted for both steps (analyze)
+        except MemsimError as e:
+            if tr_step is None:
+                raise
+            # a failure only inference meets (a value read in eval mode): the training answer
+            # stands, and says so
+            unanswered.append(f"inference is not answered: its trace failed ({e}); the "
+                              "training step's figures are")
+        else:
+            inf_step = step_memory(t)
+            for k, v in t.run.other_ops.items():
+                other[k] = other.get(k, 0) + v
     if tr_step is None and inf_step is None:
         raise InputError("nothing to analyse: both train and inference are off")
     first = tr_step or inf_step
@@ -132,7 +144,7 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
                         reserve_notes(tr_step.trace.run.ops) if tr_step is not None else ())
                     + tuple(hf.layerdrop_note(model) if tr_step is not None else ())
                     + tuple(dict.fromkeys(a for s in (tr_step, inf_step) if s is not None
-                                          for a in s.trace.run.assumed)),
+                                          for a in s.trace.run.assumed)) + tuple(unanswered),
                     retracer=retracer)
     return cross_guards(report) if explore else report
 

@@ -354,6 +354,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_data_dependent.py::test_routing_read_as_a_list_of_sizes",),
              "JetMoE's tokens per expert read as sizes refused"),
 
+    Mutation("inference-failure-kills-training", "analysis/build.py",
+             "            if tr_step is None:\n                raise\n            # a failure only inference meets",
+             "            if True:\n                raise\n            # a failure only inference meets",
+             ("tests/test_data_dependent.py::test_a_failure_only_inference_meets_leaves_the_training_answer",),
+             "an inference-only failure fails the whole analysis"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

@@ -106,6 +106,32 @@ def test_torch_transformer_with_masks():
     assert inference.inference is not None
 
 
+class EvalScale(torch.nn.Module):
+    """Reads a number from the data in eval mode only (a value no run can guess)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if not self.training:
+            h = h / float(h.abs().max())
+        return h.square().sum()
+
+
+def test_a_failure_only_inference_meets_leaves_the_training_answer():
+    from memsim.render import to_json, to_text
+    inputs = {"x": ("float32", ["B", 8])}
+    report = predict(EvalScale, inputs)
+    assert report.inference is None and report.train is not None
+    assert any(n.startswith("inference is not answered") and "--assume" in n
+               for n in report.notes), report.notes
+    check(report, EvalScale, inputs, [{"B": 3}])
+    assert "inference is not answered" in to_text(report, {"B": 3})
+    assert "inference" not in to_json(report, {"B": 3})
+
+
 def test_the_bound_is_checked_and_named():
     from memsim.tracer import InputError, StepConfig
     assert str(StepConfig(data_dependent="0.5").data_dependent) == "0.5"
