@@ -37,6 +37,7 @@ def _memsim(tmp_path, *extra):
     return body, flag.strip() == "True"
 
 
+@pytest.mark.heavy
 def test_a_repeated_command_is_answered_from_disk(tmp_path):
     (tmp_path / "target.py").write_text(TARGET)
     (tmp_path / "helper.py").write_text("WIDTH = 16\n")

@@ -79,6 +79,7 @@ def test_optimal_plan_fits_with_fewest_blocks_real_run(frac, fewest):
         _real_step_flops(res.plan, tiny, **pt) - _real_step_flops([], tiny, **pt)
 
 
+@pytest.mark.heavy
 def test_modules_search_mixes_blocks_and_children_real_run():
     """``search="modules"`` (the CLI's default): at a budget where whole blocks need two of
     three blocks, the search finds a cheaper plan that mixes a block with MLPs; it fits, its

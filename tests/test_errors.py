@@ -229,6 +229,7 @@ def test_a_model_that_fails_at_every_size_names_the_sizes_and_the_hint():
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"),
                     reason="Linux grows the main thread's stack to the soft limit of the time")
+@pytest.mark.heavy
 def test_a_long_python_loops_graph_is_freed_without_overflowing_the_stack():
     """A Python loop over S time steps chains S autograd nodes; under the symbolic run the
     step's output frees that chain recursively in C. At S = 16,384 that overflowed Linux's

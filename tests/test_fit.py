@@ -73,6 +73,7 @@ def test_fit_windows_move_past_a_piece_and_other_example_sizes():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_gru_is_fitted_in_time_and_equals_real_runs():
     """nn.GRU on CPU: PyTorch's C++ loop read the batch size; issued from Python
     (tracer/functions.py) B stays symbolic, and the loop over time steps pins S, which is

@@ -58,10 +58,14 @@ def _both(model, inputs=LM, train=True, **kw):
 # every family's training step (its forward included); inference, the forward alone under
 # no_grad, on two (the suite's 10-minute budget)
 CASES = [(f, True) for f in sorted(FAMILIES)] + [("gpt2", False), ("llama", False)]
+# the cases over half a minute on 2 cores: CI's heavy step
+HEAVY = {("gemma2-alternating", True), ("qwen2-window", True), ("mixtral-moe", True),
+         ("llama", True)}
 
 
-@pytest.mark.parametrize("family,train", CASES, ids=[
-    f"{'train' if t else 'inference'}-{f}" for f, t in CASES])
+@pytest.mark.parametrize("family,train", [
+    pytest.param(f, t, marks=pytest.mark.heavy) if (f, t) in HEAVY else (f, t)
+    for f, t in CASES], ids=[f"{'train' if t else 'inference'}-{f}" for f, t in CASES])
 def test_folded_run_equals_the_whole_run(family, train):
     folded, whole = _both(FAMILIES[family](), train=train, device="cuda")
     assert folded.folded is not None and folded.folded.reason is None, folded.folded.describe()
@@ -116,8 +120,9 @@ def test_a_checkpoint_plan_on_some_blocks_is_seen():
         assert stack is None or stack.prefix >= 2
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp-tp", "tp", "ddp-bf16-mixed",
-                                      "lora-checkpoint"])
+@pytest.mark.parametrize("strategy", [
+    "fsdp", "ddp-bf16-mixed", *(pytest.param(s, marks=pytest.mark.heavy)
+                                for s in ("fsdp-tp", "tp", "lora-checkpoint"))])
 def test_folded_under_strategies(strategy):
     # (pairs in one case each: the suite's 10-minute budget)
     kw = {"fsdp": dict(fsdp=FSDP(2)), "fsdp-tp": dict(fsdp=FSDP(2), tp=TensorParallel(2)),
@@ -151,6 +156,7 @@ def test_a_library_loop_is_not_folded():
     assert rep.train.trace.folded is None
 
 
+@pytest.mark.heavy
 def test_the_peak_by_depth_is_exact_at_other_depths(device="cuda"):
     """The formula in the depth L derived from the 7-block folded trace equals the peak of
     models of 5 and 9 blocks traced block by block (CUDA: the allocator's rounding too)."""
@@ -208,6 +214,7 @@ def test_the_command_line_says_how_it_traced(tmp_path, capsys):
     assert plain["train"]["peak"] == doc["train"]["peak"]
 
 
+@pytest.mark.heavy
 def test_run_b_traced_in_a_child_process_equals_run_b_traced_here(monkeypatch):
     """Run B (one unit more) is traced in a forked child beside run A where the platform allows
     (``memsim.tracer.trace._fork_traced``, :mod:`memsim.tracer.fork`); the folded trace is the same either way, and a child
@@ -253,6 +260,7 @@ def test_run_b_traced_in_a_child_process_equals_run_b_traced_here(monkeypatch):
         os.waitpid(pid, os.WNOHANG)
 
 
+@pytest.mark.heavy
 def test_a_point_below_the_range_is_traced_beside_the_analysis(monkeypatch):
     """``points=`` (the CLI passes its ``--at``): a size of 1 among them, which
     ``for_point`` would trace after the analysis, is traced in a forked child beside it

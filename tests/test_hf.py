@@ -116,6 +116,7 @@ def longformer():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_longformer_matches_real_run():
     """Longformer pads its mask of ones to a multiple of the window (zeros), makes it 0 or the
     dtype's minimum, and asks ``(mask > 0).any().item()`` for global attention: False, from
@@ -373,7 +374,7 @@ def mistral(window=16):
         sliding_window=window))
 
 
-@pytest.mark.parametrize("window", [16, 32])
+@pytest.mark.parametrize("window", [16, pytest.param(32, marks=pytest.mark.heavy)])
 def test_sliding_window_regimes_match_real_runs(window):
     """Below the window HF's cache keeps the whole sequence and attention is causal; past it,
     the cache keeps the window's last positions and a (B, 1, S, S) mask is built; at S =

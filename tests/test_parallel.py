@@ -293,6 +293,7 @@ def test_tp_hugging_face_plan_words_match_real_gloo_run(kind):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_tp_where_the_model_pins_a_symbol_matches_real_gloo_run():
     """Cohere2 keeps a sliding-window KV cache in training (``use_cache=True``, the default):
     with a window of 8 tokens and SDPA its slice pins S, and the formulas in S are fitted.

@@ -117,7 +117,9 @@ CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy)
+                                  if c in ("llama-z1-fp32-autotp2x2", "llama-z2-fp32-offload")
+                                  else c for c in CASES])
 def test_zero_matches_real_deepspeed_run(case):
     """Every rank's peak, parameters, gradients and optimizer states, traced with DeepSpeed's
     engine, equal a real DeepSpeed step's (CPU accelerator, gloo) to the byte; the LoRA case's

@@ -93,17 +93,25 @@ def _scaled(size, scale: float):
 
 
 @rule(Kind.FUNCTION, F.interpolate,
-      doc="F.interpolate(scale_factor=...): output size floor(size * scale) computed "
-          "symbolically (PyTorch's C++ reads concrete sizes and pins every symbol); the same "
+      doc="F.interpolate: by scale_factor, the output size floor(size * scale) computed "
+          "symbolically (PyTorch's C++ reads concrete sizes and pins every symbol); by a "
+          "symbolic size, that size (the composite's C++ takes concrete ones only); the same "
           "ATen kernel and storages")
 def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
                  recompute_scale_factor=None, antialias=False):
-    """The ``upsample_*`` overload with a symbolic output size, or None (size given,
+    """The ``upsample_*`` overload with a symbolic output size, or None (concrete sizes,
     ``recompute_scale_factor``, antialiasing or a mode without a plain kernel)."""
     dim = input.dim() - 2
     entry = _UPSAMPLE.get((mode, dim))
-    if size is not None or scale_factor is None or recompute_scale_factor or antialias \
-            or entry is None:
+    if entry is None or recompute_scale_factor or antialias:
+        return None
+    if size is not None and scale_factor is None:
+        out = list(size) if isinstance(size, (list, tuple, torch.Size)) else [size] * dim
+        if len(out) != dim or not any(isinstance(s, torch.SymInt) for s in out):
+            return None
+        op, corners = entry
+        return op(*((input, out) + ((bool(align_corners),) if corners else ())))
+    if size is not None or scale_factor is None:
         return None
     scales = list(scale_factor) if isinstance(scale_factor, (list, tuple)) else [scale_factor] * dim
     if len(scales) != dim:
