@@ -360,6 +360,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_data_dependent.py::test_a_failure_only_inference_meets_leaves_the_training_answer",),
              "an inference-only failure fails the whole analysis"),
 
+    Mutation("interpolate-symbolic-size-refused", "tracer/functions.py",
+             "        if len(out) != dim or not any(isinstance(s, torch.SymInt) for s in out):",
+             "        if True:",
+             ("tests/test_vision_sizes.py",),
+             "F.interpolate by a symbolic size left to the composite (concrete sizes only)"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)
