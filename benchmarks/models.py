@@ -28,8 +28,7 @@ import transformers as T
 
 from memsim.analysis import analyze
 
-from tests import test_data_dependent as dd, test_vision_sizes as vs
-from tests.support import zoo
+from tests.support import hf_models as hf, zoo
 from tests.support.oracles.measure import (example_inputs, materialize, measure_inference,
                                            measure_train)
 
@@ -142,29 +141,29 @@ MODELS = {
             [{"B": 3, "S": 40}, {"B": 25, "S": 60}]),
     # sizes that depend on tensor values (docs/data-dependent.md): each real run's data makes
     # the bound hold (every label given, every token routed to the same experts...)
-    "deberta-v2": ("DeBERTa-v2, default classification loss (nonzero)", dd._deberta,
+    "deberta-v2": ("DeBERTa-v2, default classification loss (nonzero)", hf.deberta_v2_classifier,
                    {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B"])},
                    [{"B": 2, "S": 9}, {"B": 3, "S": 16}]),
-    "modernbert": ("ModernBERT, sparse prediction (x[mask])", dd._modernbert, LM,
+    "modernbert": ("ModernBERT, sparse prediction (x[mask])", hf.modernbert_sparse, LM,
                    [{"B": 2, "S": 9}, {"B": 3, "S": 16}]),
-    "qwen2-moe": ("Qwen2-MoE, eager expert loop (routing: max)", dd._qwen2_moe_eager, LM,
+    "qwen2-moe": ("Qwen2-MoE, eager expert loop (routing: max)", hf.qwen2_moe_eager, LM,
                   [{"B": 2, "S": 8}, {"B": 3, "S": 6}], dict(real=lambda: _forced_qwen())),
-    "jetmoe": ("JetMoE, tokens per expert as sizes (routing: max)", dd._jetmoe, LM,
+    "jetmoe": ("JetMoE, tokens per expert as sizes (routing: max)", hf.jetmoe, LM,
                [{"B": 2, "S": 8}, {"B": 3, "S": 6}], dict(real=lambda: _forced_jetmoe())),
-    "hubert": ("HuBERT CTC (masked_select, ctc_loss, a raising check)", dd._hubert,
+    "hubert": ("HuBERT CTC (masked_select, ctc_loss, a raising check)", hf.hubert_ctc,
                {"input_values": ("float32", ["B", "L"]), "labels": ("int64", ["B", "S"])},
                [{"B": 2, "L": 400, "S": 5}, {"B": 3, "L": 560, "S": 9}],
                dict(options={"hints": {"L": 400}}, inputs=lambda pt, x: dict(
                    x, labels=torch.ones(pt["B"], pt["S"], dtype=torch.long)))),
-    "led": ("LED, global attention read with .item() (both branches)", dd._led,
+    "led": ("LED, global attention read with .item() (both branches)", hf.led,
             dict(LM, global_attention_mask=("int64", ["B", "S"])),
             [{"B": 2, "S": 16}, {"B": 3, "S": 24}],
             dict(inputs=lambda pt, x: dict(x, global_attention_mask=torch.ones(
                 pt["B"], pt["S"], dtype=torch.long)))),
-    "dinov2": ("DINOv2, symbolic image size", vs._dinov2,
+    "dinov2": ("DINOv2, symbolic image size", hf.dinov2,
                {"pixel_values": ("float32", ["B", 3, "H", "H"]), "labels": ("int64", ["B"])},
                [{"B": 2, "H": 24}, {"B": 3, "H": 40}]),
-    "segformer": ("SegFormer, symbolic image size", vs._segformer,
+    "segformer": ("SegFormer, symbolic image size", hf.segformer,
                   {"pixel_values": ("float32", ["B", 3, "H", "H"]),
                    "labels": ("int64", ["B", "H", "H"])},
                   [{"B": 2, "H": 24}, {"B": 2, "H": 37}]),
@@ -172,17 +171,17 @@ MODELS = {
 
 
 def _forced_qwen():
-    model = dd._qwen2_moe_eager()
+    model = hf.qwen2_moe_eager()
     for layer in model.model.layers:
-        layer.mlp.gate.register_forward_hook(dd._routed(False))
+        layer.mlp.gate.register_forward_hook(hf.routed_hook(False))
     return model
 
 
 def _forced_jetmoe():
-    model = dd._jetmoe()
+    model = hf.jetmoe()
     for name, m in model.named_modules():
         if name.endswith("router.layer"):
-            m.register_forward_hook(dd._forced_logits(False))
+            m.register_forward_hook(hf.forced_logits_hook(False))
     return model
 
 

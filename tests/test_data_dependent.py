@@ -13,6 +13,16 @@ from tests.support.predict import check, figures, predict
 INPUTS = {"x": ("float32", ["B", 16])}
 
 
+def _hf(name):
+    """A factory of tests/support/hf_models.py, imported when called (it imports
+    transformers)."""
+    def make():
+        from tests.support import hf_models
+        return getattr(hf_models, name)()
+    make.__name__ = name
+    return make
+
+
 def _signed(point, positive):
     """An input whose first ``positive`` elements are positive, the rest not."""
     x = example_inputs(INPUTS, point)["x"].abs() + 0.5
@@ -139,45 +149,22 @@ def test_the_bound_is_checked_and_named():
         StepConfig(data_dependent="all")
 
 
-def _deberta():
-    import transformers as T
-    return T.DebertaV2ForSequenceClassification(T.DebertaV2Config(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        vocab_size=100, max_position_embeddings=64, num_labels=3))
-
-
-def _modernbert():
-    import transformers as T
-    return T.ModernBertForMaskedLM(T.ModernBertConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        vocab_size=100, max_position_embeddings=64, sparse_prediction=True, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
-
-
 @pytest.mark.parametrize("factory, inputs, line", [
     # its default loss picks the rows with a label (labels >= 0) with nonzero()
-    (_deberta, {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B"])},
+    (_hf("deberta_v2_classifier"), {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B"])},
      "modeling_deberta_v2.py"),
     # sparse prediction: the head runs on the tokens with a label only (x[labels != -100])
-    (_modernbert, {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])},
+    (_hf("modernbert_sparse"), {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])},
      "modeling_modernbert.py"),
 ], ids=["deberta-v2-classification", "modernbert-sparse-prediction"])
 def test_hugging_face_losses_that_select_labelled_rows(factory, inputs, line):
     """Every label given (the real inputs' labels are 0): the bound holds, and the figures are
     the real run's."""
     pytest.importorskip("transformers")
+    from tests.support import hf_models as hf
     report = predict(factory, inputs)
     assert any("data-dependent size" in n and line in n for n in report.notes), report.notes
     check(report, factory, inputs, [{"B": 2, "S": 9}, {"B": 3, "S": 16}])
-
-
-def _hubert():
-    import transformers as T
-    return T.HubertForCTC(T.HubertConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        vocab_size=20, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
-        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
-        layerdrop=0.0))
 
 
 @pytest.mark.heavy
@@ -187,23 +174,15 @@ def test_ctc_loss_and_a_check_that_raises_on_one_branch():
     longest target sizing ``ctc_loss``'s ``log_alpha`` are at their bound: every label a target
     (not blank, not ignored), as in the real run (labels 1), whose figures these equal."""
     pytest.importorskip("transformers")
+    from tests.support import hf_models as hf
     inputs = {"input_values": ("float32", ["B", "L"]), "labels": ("int64", ["B", "S"])}
-    report = predict(_hubert, inputs, hints={"L": 400})
+    report = predict(hf.hubert_ctc, inputs, hints={"L": 400})
     notes = " ".join(report.notes)
     assert "modeling_hubert.py" in notes and "taken as False, since with True the model fails" \
         in notes and "the longest target of ctc_loss" in notes, report.notes
-    check(report, _hubert, inputs, [{"B": 2, "L": 400, "S": 5}, {"B": 3, "L": 560, "S": 9}],
+    check(report, hf.hubert_ctc, inputs, [{"B": 2, "L": 400, "S": 5}, {"B": 3, "L": 560, "S": 9}],
           real_inputs=lambda pt: dict(example_inputs(inputs, pt),
                                       labels=torch.ones(pt["B"], pt["S"], dtype=torch.long)))
-
-
-def _led():
-    import transformers as T
-    return T.LEDForConditionalGeneration(T.LEDConfig(
-        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
-        max_encoder_position_embeddings=128, max_decoder_position_embeddings=64,
-        attention_window=[8]))
 
 
 LED = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
@@ -216,17 +195,18 @@ def test_a_truth_value_read_without_data_is_tried_both_ways():
     bound of its counts), and equals a real run with a global attention mask of ones;
     ``--assume`` the other way equals a real run without global attention."""
     pytest.importorskip("transformers")
+    from tests.support import hf_models as hf
     inputs = dict(LED, global_attention_mask=("int64", ["B", "S"]))
-    report = predict(_led, inputs)
+    report = predict(hf.led, inputs)
     assert any("modeling_led.py" in n and "taken as True, the branch that holds more" in n
                for n in report.notes), report.notes
     ones = dict(LED, global_attention_mask=("int64", ["B", "S"], "ones"))
-    check(report, _led, inputs, [{"B": 2, "S": 16}],
+    check(report, hf.led, inputs, [{"B": 2, "S": 16}],
           real_inputs=lambda pt: example_inputs(ones, pt))
     site = next(n for n in report.notes if "taken as True" in n).split(" at ")[1].split(" ")[0]
-    local = predict(_led, LED, assume={site: False})
+    local = predict(hf.led, LED, assume={site: False})
     assert not any("taken as True" in n for n in local.notes), local.notes
-    check(local, _led, LED, [{"B": 2, "S": 16}, {"B": 3, "S": 24}])
+    check(local, hf.led, LED, [{"B": 2, "S": 16}, {"B": 3, "S": 24}])
 
 
 @pytest.mark.parametrize("bound, force", [("max", "same"), ("balanced", "spread")])
@@ -239,68 +219,23 @@ def test_top_k_routing_in_an_eager_expert_loop(bound, force):
           [{"B": 2, "S": 4}, {"B": 3, "S": 6}])
 
 
-def _qwen2_moe_eager():
-    import transformers as T
-    config = T.Qwen2MoeConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
-    config._experts_implementation = "eager"   # the loop over the experts hit
-    return T.Qwen2MoeForCausalLM(config)
-
-
-def _routed(spread: bool):
-    """A real run's routing forced: every token to experts 0 and 1 (``spread=False``), or token
-    t's slot j to expert (2 t + j) mod 4 (each expert an equal share). The router's indices are
-    overwritten in place (``.data``: no new memory, autograd's saved copy untouched)."""
-    def hook(module, args, out):
-        idx = out[2].data
-        if spread:
-            tokens = torch.arange(idx.numel()).remainder_(module.num_experts)
-            idx.view(-1).copy_(tokens)
-        else:
-            for j in range(idx.shape[-1]):
-                idx[:, j].fill_(j)
-    return hook
-
-
 @pytest.mark.parametrize("bound, spread", [("max", False), ("balanced", True)])
 def test_mixture_of_experts_routing(bound, spread):
     """Qwen2-MoE's eager expert loop: ``max`` routes every token to the same k experts (each
     takes all tokens: the most one expert can), ``balanced`` spreads them evenly; each equals a
     real run whose router is forced so."""
     pytest.importorskip("transformers")
+    from tests.support import hf_models as hf
     LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
-    report = predict(_qwen2_moe_eager, LM, data_dependent=bound)
+    report = predict(hf.qwen2_moe_eager, LM, data_dependent=bound)
     assert any("routing:" in n for n in report.notes), report.notes
 
     def forced():
-        model = _qwen2_moe_eager()
+        model = hf.qwen2_moe_eager()
         for layer in model.model.layers:
-            layer.mlp.gate.register_forward_hook(_routed(spread))
+            layer.mlp.gate.register_forward_hook(hf.routed_hook(spread))
         return model
     check(report, forced, LM, [{"B": 2, "S": 8}, {"B": 3, "S": 6}])
-
-
-def _jetmoe():
-    import transformers as T
-    return T.JetMoeForCausalLM(T.JetMoeConfig(
-        hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
-        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, vocab_size=100,
-        max_position_embeddings=64))
-
-
-def _forced_logits(spread: bool):
-    """A router's logits overwritten in place so that its top-k picks experts 0..k-1 for every
-    token (or (k t + j) mod n for token t's slot j): fills only, no new memory."""
-    def hook(module, args, out):
-        logits, k = out.data, 2
-        logits.fill_(-1e4)
-        for t in range(logits.shape[0]):
-            for j in range(k):
-                e = (k * t + j) % logits.shape[1] if spread else j
-                logits[t, e:e + 1].fill_(1e4 - j)
-    return hook
 
 
 @pytest.mark.parametrize("bound, spread", [("max", False), ("balanced", True)])
@@ -309,14 +244,15 @@ def test_routing_read_as_a_list_of_sizes(bound, spread):
     splits the tokens by them: each count is the routing's at the bound, equal to a real run
     whose router picks so."""
     pytest.importorskip("transformers")
+    from tests.support import hf_models as hf
     LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
-    report = predict(_jetmoe, LM, data_dependent=bound)
+    report = predict(hf.jetmoe, LM, data_dependent=bound)
     assert any("tokens per expert" in n for n in report.notes), report.notes
 
     def forced():
-        model = _jetmoe()
+        model = hf.jetmoe()
         for name, m in model.named_modules():
             if name.endswith("router.layer"):
-                m.register_forward_hook(_forced_logits(spread))
+                m.register_forward_hook(hf.forced_logits_hook(spread))
         return model
     check(report, forced, LM, [{"B": 2, "S": 8}, {"B": 3, "S": 6}])

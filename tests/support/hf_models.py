@@ -2,6 +2,7 @@
 ``torch.device("meta")`` for memsim, as is for a real run) taking ``LM``'s inputs. Importing this
 module imports transformers (a test imports it with ``pytest.importorskip``)."""
 
+import torch
 import transformers as T
 
 LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
@@ -28,3 +29,92 @@ def qwen3_next():
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
         linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         shared_expert_intermediate_size=16))
+
+
+# sizes that depend on tensor values (tests/test_data_dependent.py) and image sizes
+# (tests/test_vision_sizes.py); benchmarks/models.py runs them too
+
+def deberta_v2_classifier():
+    return T.DebertaV2ForSequenceClassification(T.DebertaV2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=64, num_labels=3))
+
+
+def modernbert_sparse():
+    return T.ModernBertForMaskedLM(T.ModernBertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=64, sparse_prediction=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+
+
+def hubert_ctc():
+    return T.HubertForCTC(T.HubertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=20, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+        layerdrop=0.0))
+
+
+def led():
+    return T.LEDForConditionalGeneration(T.LEDConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+        max_encoder_position_embeddings=128, max_decoder_position_embeddings=64,
+        attention_window=[8]))
+
+
+def qwen2_moe_eager():
+    config = T.Qwen2MoeConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    config._experts_implementation = "eager"   # the loop over the experts hit
+    return T.Qwen2MoeForCausalLM(config)
+
+
+def routed_hook(spread: bool):
+    """A real run's routing forced: every token to experts 0 and 1 (``spread=False``), or token
+    t's slot j to expert (2 t + j) mod 4 (each expert an equal share). The router's indices are
+    overwritten in place (``.data``: no new memory, autograd's saved copy untouched)."""
+    def hook(module, args, out):
+        idx = out[2].data
+        if spread:
+            tokens = torch.arange(idx.numel()).remainder_(module.num_experts)
+            idx.view(-1).copy_(tokens)
+        else:
+            for j in range(idx.shape[-1]):
+                idx[:, j].fill_(j)
+    return hook
+
+
+def jetmoe():
+    return T.JetMoeForCausalLM(T.JetMoeConfig(
+        hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, vocab_size=100,
+        max_position_embeddings=64))
+
+
+def forced_logits_hook(spread: bool):
+    """A router's logits overwritten in place so that its top-k picks experts 0..k-1 for every
+    token (or (k t + j) mod n for token t's slot j): fills only, no new memory."""
+    def hook(module, args, out):
+        logits, k = out.data, 2
+        logits.fill_(-1e4)
+        for t in range(logits.shape[0]):
+            for j in range(k):
+                e = (k * t + j) % logits.shape[1] if spread else j
+                logits[t, e:e + 1].fill_(1e4 - j)
+    return hook
+
+
+def dinov2():
+    return T.Dinov2ForImageClassification(T.Dinov2Config(
+        image_size=32, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=3))
+
+
+def segformer():
+    return T.SegformerForSemanticSegmentation(T.SegformerConfig(
+        num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+        hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=3))
