@@ -147,9 +147,9 @@ MODELS = {
     "modernbert": ("ModernBERT, sparse prediction (x[mask])", hf.modernbert_sparse, LM,
                    [{"B": 2, "S": 9}, {"B": 3, "S": 16}]),
     "qwen2-moe": ("Qwen2-MoE, eager expert loop (routing: max)", hf.qwen2_moe_eager, LM,
-                  [{"B": 2, "S": 8}, {"B": 3, "S": 6}], dict(real=lambda: _forced_qwen())),
+                  [{"B": 2, "S": 8}, {"B": 3, "S": 6}], dict(real=hf.qwen2_moe_forced)),
     "jetmoe": ("JetMoE, tokens per expert as sizes (routing: max)", hf.jetmoe, LM,
-               [{"B": 2, "S": 8}, {"B": 3, "S": 6}], dict(real=lambda: _forced_jetmoe())),
+               [{"B": 2, "S": 8}, {"B": 3, "S": 6}], dict(real=hf.jetmoe_forced)),
     "hubert": ("HuBERT CTC (masked_select, ctc_loss, a raising check)", hf.hubert_ctc,
                {"input_values": ("float32", ["B", "L"]), "labels": ("int64", ["B", "S"])},
                [{"B": 2, "L": 400, "S": 5}, {"B": 3, "L": 560, "S": 9}],
@@ -168,21 +168,6 @@ MODELS = {
                    "labels": ("int64", ["B", "H", "H"])},
                   [{"B": 2, "H": 24}, {"B": 2, "H": 37}]),
 }
-
-
-def _forced_qwen():
-    model = hf.qwen2_moe_eager()
-    for layer in model.model.layers:
-        layer.mlp.gate.register_forward_hook(hf.routed_hook(False))
-    return model
-
-
-def _forced_jetmoe():
-    model = hf.jetmoe()
-    for name, m in model.named_modules():
-        if name.endswith("router.layer"):
-            m.register_forward_hook(hf.forced_logits_hook(False))
-    return model
 
 
 def real(factory, inputs, point, extra=None) -> tuple[int, int]:

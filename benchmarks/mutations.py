@@ -351,7 +351,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("routing-tolist-not-followed", "tracer/kernels.py",
              "    if tokens is not None:\n        return tokens\n",
              "    if False:\n        return tokens\n",
-             ("tests/test_data_dependent.py::test_routing_read_as_a_list_of_sizes",),
+             ("tests/test_data_dependent.py::test_mixture_of_experts_routing",),
              "JetMoE's tokens per expert read as sizes refused"),
 
     Mutation("inference-failure-kills-training", "analysis/build.py",

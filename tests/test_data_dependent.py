@@ -219,40 +219,21 @@ def test_top_k_routing_in_an_eager_expert_loop(bound, force):
           [{"B": 2, "S": 4}, {"B": 3, "S": 6}])
 
 
+@pytest.mark.parametrize("family, note", [("qwen2_moe", "routing:"),
+                                           ("jetmoe", "tokens per expert")])
 @pytest.mark.parametrize("bound, spread", [("max", False), ("balanced", True)])
-def test_mixture_of_experts_routing(bound, spread):
-    """Qwen2-MoE's eager expert loop: ``max`` routes every token to the same k experts (each
-    takes all tokens: the most one expert can), ``balanced`` spreads them evenly; each equals a
-    real run whose router is forced so."""
+def test_mixture_of_experts_routing(family, note, bound, spread):
+    """Qwen2-MoE's eager expert loop, and JetMoE's router, which counts the tokens per expert
+    (``gates.long().sum(0).tolist()``) and splits the tokens by them: ``max`` routes every
+    token to the same k experts (each takes all tokens: the most one expert can),
+    ``balanced`` deals them round-robin; each equals a real run whose router is forced so."""
     pytest.importorskip("transformers")
+    import functools
+
     from tests.support import hf_models as hf
     LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
-    report = predict(hf.qwen2_moe_eager, LM, data_dependent=bound)
-    assert any("routing:" in n for n in report.notes), report.notes
-
-    def forced():
-        model = hf.qwen2_moe_eager()
-        for layer in model.model.layers:
-            layer.mlp.gate.register_forward_hook(hf.routed_hook(spread))
-        return model
-    check(report, forced, LM, [{"B": 2, "S": 8}, {"B": 3, "S": 6}])
-
-
-@pytest.mark.parametrize("bound, spread", [("max", False), ("balanced", True)])
-def test_routing_read_as_a_list_of_sizes(bound, spread):
-    """JetMoE's router counts the tokens per expert (``gates.long().sum(0).tolist()``) and
-    splits the tokens by them: each count is the routing's at the bound, equal to a real run
-    whose router picks so."""
-    pytest.importorskip("transformers")
-    from tests.support import hf_models as hf
-    LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
-    report = predict(hf.jetmoe, LM, data_dependent=bound)
-    assert any("tokens per expert" in n for n in report.notes), report.notes
-
-    def forced():
-        model = hf.jetmoe()
-        for name, m in model.named_modules():
-            if name.endswith("router.layer"):
-                m.register_forward_hook(hf.forced_logits_hook(spread))
-        return model
-    check(report, forced, LM, [{"B": 2, "S": 8}, {"B": 3, "S": 6}])
+    plain = hf.qwen2_moe_eager if family == "qwen2_moe" else hf.jetmoe
+    report = predict(plain, LM, data_dependent=bound)
+    assert any(note in n for n in report.notes), report.notes
+    forced = getattr(hf, f"{family}_forced")
+    check(report, functools.partial(forced, spread), LM, [{"B": 2, "S": 8}, {"B": 3, "S": 6}])

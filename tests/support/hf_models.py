@@ -118,3 +118,21 @@ def segformer():
         num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
         hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
         mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=3))
+
+
+def qwen2_moe_forced(spread: bool = False):
+    """:func:`qwen2_moe_eager` whose routers are forced (:func:`routed_hook`): the real run of
+    a routing bound."""
+    model = qwen2_moe_eager()
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(routed_hook(spread))
+    return model
+
+
+def jetmoe_forced(spread: bool = False):
+    """:func:`jetmoe` whose routers' logits are forced (:func:`forced_logits_hook`)."""
+    model = jetmoe()
+    for name, m in model.named_modules():
+        if name.endswith("router.layer"):
+            m.register_forward_hook(forced_logits_hook(spread))
+    return model
