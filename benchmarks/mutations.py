@@ -284,7 +284,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_data_dependent.py::test_every_element_true_is_the_default_bound_and_exact_when_the_data_makes_it_hold",),
              "the maximum of a mask's count one short of every element"),
     Mutation("data-dependent-fraction-floored", "tracer/data_dependent.py",
-             "return -((-n * f.numerator) // f.denominator)",
+             "return (n * f.numerator + f.denominator - 1) // f.denominator",
              "return (n * f.numerator) // f.denominator",
              ("tests/test_data_dependent.py::test_a_fraction_of_the_elements",),
              "a fraction of a count rounded down, not up"),

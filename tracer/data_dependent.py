@@ -101,8 +101,9 @@ def bounded(bound: Bound):
 
 
 def _ceil_fraction(n, f: Fraction):
-    """``ceil(n * f)`` of a size (an int or a SymInt), as a size."""
-    return -((-n * f.numerator) // f.denominator)
+    """``ceil(n * f)`` of a size (an int or a SymInt), as a size (a floor division of
+    non-negative terms: a negative one makes PyTorch pin the size)."""
+    return (n * f.numerator + f.denominator - 1) // f.denominator
 
 
 # mask storage -> {(shape, stride, offset): count}: a mask counted once is counted the same
