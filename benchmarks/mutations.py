@@ -366,6 +366,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_vision_sizes.py",),
              "F.interpolate by a symbolic size left to the composite (concrete sizes only)"),
 
+    Mutation("usage-error-prints-usage", "memsim/options.py",
+             "def parser() -> argparse.ArgumentParser:\n    p = _Parser(",
+             "def parser() -> argparse.ArgumentParser:\n    p = argparse.ArgumentParser(",
+             ("tests/test_errors.py::test_an_unknown_option_value_is_one_line_and_a_hint",),
+             "argparse's whole usage printed above a usage error"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

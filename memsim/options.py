@@ -89,8 +89,17 @@ def add_common(a: argparse.ArgumentParser) -> None:
     b.add_argument("--seq-symbol", default="S", help="the sequence-length symbol (default S)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors are one line and a hint (its own print the whole usage
+    first, 25 lines above the error for ``memsim analyze``)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n  hint: {self.prog} --help lists the "
+                     "options\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memsim", description="Training-memory simulator for PyTorch")
+    p = _Parser(prog="memsim", description="Training-memory simulator for PyTorch")
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("analyze", help="symbolic peak memory of a training step and inference")
     add_common(a)

@@ -137,6 +137,18 @@ def test_cli_usage_errors_exit_2(capsys):
     assert "unknown optimizer 'Adamm'" in capsys.readouterr().err
 
 
+def test_an_unknown_option_value_is_one_line_and_a_hint(capsys):
+    """argparse's own errors print the whole usage first (25 lines for ``analyze``): here the
+    error and a hint only."""
+    with pytest.raises(SystemExit) as e:
+        main(["analyze", "tests.support.zoo:MLP", "--input", "x=float32[B,16]",
+              "--device", "tpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    assert "invalid choice: 'tpu'" in err[0] and "--help" in err[1]
+
+
 def test_input_fill_parses_and_unknown_fill_is_named():
     from memsim.tracer import parse_input
     assert parse_input("attention_mask=int64[B,S]:ones").fill == "ones"
