@@ -372,6 +372,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_errors.py::test_an_unknown_option_value_is_one_line_and_a_hint",),
              "argparse's whole usage printed above a usage error"),
 
+    Mutation("misspelled-input-caught-after-the-trace", "tracer/step_checks.py",
+             "            near = did_you_mean(n, known)\n            if near:",
+             "            near = did_you_mean(n, known)\n            if False:",
+             ("tests/test_errors.py::test_a_misspelled_input_is_caught_before_the_trace",),
+             "a near miss of a forward parameter found only after the trace"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

@@ -149,6 +149,23 @@ def test_an_unknown_option_value_is_one_line_and_a_hint(capsys):
     assert "invalid choice: 'tpu'" in err[0] and "--help" in err[1]
 
 
+class _Swallows(nn.Module):
+    """A forward that takes anything through ``**kwargs`` and must not run here."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, labels=None, **kwargs):
+        raise AssertionError("traced: the misspelled input was not caught first")
+
+
+def test_a_misspelled_input_is_caught_before_the_trace():
+    with pytest.raises(InputError, match="did you mean 'labels'"):
+        analyze(_Swallows(), {"x": ("float32", ["B", 4]), "lables": ("int64", ["B"])},
+                device="cpu")
+
+
 def test_input_fill_parses_and_unknown_fill_is_named():
     from memsim.tracer import parse_input
     assert parse_input("attention_mask=int64[B,S]:ones").fill == "ones"

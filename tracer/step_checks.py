@@ -21,7 +21,17 @@ def check_inputs(model: torch.nn.Module, names: list[str]) -> list[str]:
               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     known = {p.name for p in params}
     if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
-        return [n for n in names if n not in known]
+        swallowed = [n for n in names if n not in known]
+        for n in swallowed:
+            # a near miss of a parameter (``lables``): a misspelling, said before any trace
+            # (the check after the run would find it unread)
+            near = did_you_mean(n, known)
+            if near:
+                raise InputError(
+                    f"input {n!r} is not a parameter of {type(model).__name__}.forward, which "
+                    "would take it through **kwargs" + near,
+                    hint=f"forward takes: {', '.join(p.name for p in params)}")
+        return swallowed
     for n in names:
         if n not in known:
             raise InputError(
