@@ -378,6 +378,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_errors.py::test_a_misspelled_input_is_caught_before_the_trace",),
              "a near miss of a forward parameter found only after the trace"),
 
+    Mutation("position-limit-checked-after-the-trace", "memsim/cli.py",
+             "        if point.get(name, 0) > most:",
+             "        if False:",
+             ("tests/test_errors.py::test_a_size_past_the_models_positions_is_refused_before_the_trace",),
+             "a size past the model's positions found only after the trace"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

@@ -143,6 +143,17 @@ def _prepare(args) -> dict:
             "config": config}
 
 
+def _within_limits(model, inputs, config, point) -> None:
+    """A size past the model's own limit (a Hugging Face model's positions, ``limits``) is an
+    error before any trace: no trace can answer it."""
+    from memsim.tracer import OutOfRangeError, hf
+    for name, most in {**hf.limits(model, inputs), **config.limits}.items():
+        if point.get(name, 0) > most:
+            raise OutOfRangeError(
+                f"{name}={point[name]} is outside the range the formula holds for "
+                f"({name} <= {most})", hint=f"the model itself does not accept {name} > {most}")
+
+
 def _execute(args, prep: dict, fit: bool = False):
     specs, point, setup = prep["specs"], prep["point"], prep["setup"]
     strategy, config = prep["strategy"], prep["config"]
@@ -153,6 +164,7 @@ def _execute(args, prep: dict, fit: bool = False):
               inference=args.inference or not (fit or getattr(args, "train", False)))
     inputs = {s.name: s for s in specs}
     if point is not None:   # a size of 1 in it is traced beside the formulas' trace
+        _within_limits(model, inputs, config, point)
         kw["points"] = [point]
     report = pinning_fixed(analyze_with, model, inputs, config, point, **kw) \
         if point is not None else analyze_with(model, inputs, config, **kw)

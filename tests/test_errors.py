@@ -166,6 +166,27 @@ def test_a_misspelled_input_is_caught_before_the_trace():
                 device="cpu")
 
 
+class Positioned(nn.Module):
+    """A model with 16 positions (a Hugging Face config's ``max_position_embeddings``) whose
+    forward must not run here."""
+
+    def __init__(self):
+        super().__init__()
+        import types
+        self.config = types.SimpleNamespace(max_position_embeddings=16)
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, input_ids):
+        raise AssertionError("traced: the size past the model's positions was not caught first")
+
+
+def test_a_size_past_the_models_positions_is_refused_before_the_trace(capsys):
+    assert main(["analyze", "tests.test_errors:Positioned", "--input", "input_ids=int64[B,S]",
+                 "--at", "B=2,S=32", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "S=32 is outside the range" in err and "does not accept S > 16" in err
+
+
 def test_input_fill_parses_and_unknown_fill_is_named():
     from memsim.tracer import parse_input
     assert parse_input("attention_mask=int64[B,S]:ones").fill == "ones"
