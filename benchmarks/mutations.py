@@ -384,6 +384,13 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_errors.py::test_a_size_past_the_models_positions_is_refused_before_the_trace",),
              "a size past the model's positions found only after the trace"),
 
+    Mutation("count-noted-unread", "tracer/known.py",
+             "            self.because[st] = bound_note(\"a count of true elements\")",
+             "            self.because[st] = bound_note(\"a count of true elements\")\n"
+             "            assume(self.because[st])",
+             ("tests/test_data_dependent.py::test_a_mask_the_run_knows_is_counted_exactly_with_nothing_assumed",),
+             "a count of true elements noted where it is made, not where a size reads it"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

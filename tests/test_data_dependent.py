@@ -53,6 +53,10 @@ def test_a_mask_the_run_knows_is_counted_exactly_with_nothing_assumed():
     inputs = {"x": ("float32", ["B", 8])}
     report = predict(zoo.KnownMask, inputs)
     assert not any("data-dependent" in n for n in report.notes), report.notes
+    # a sum of a mask that no size reads (an attention mask's lengths) assumes nothing either
+    lengths = predict(zoo.MLP, {"x": ("float32", ["B", 16])},
+                      loss_fn=lambda out: out.sum() + (out > 0).sum(-1).float().mean())
+    assert not any("data-dependent" in n for n in lengths.notes), lengths.notes
     check(report, zoo.KnownMask, inputs, [{"B": 3}, {"B": 6}])
 
 

@@ -130,20 +130,30 @@ def _count(most, mask: torch.Tensor, op: str):
         with unset_fake_temporarily():
             return int((real != 0).sum())
     b = known.bounds(mask)
-    if b is not None:
-        if b[0] == b[1] == 0:
-            return 0
-        if b[0] > 0 or b[1] < 0:
-            return most
+    if b is not None and (b[0] == b[1] == 0 or b[0] > 0 or b[1] < 0):
+        why = known.why(mask)   # decided from counts at the bound: that bound is noted
+        if why is not None:
+            known.assume(why)
+        return 0 if b[0] == b[1] == 0 else most
     return _bounded(most, op)
 
 
 def _bounded(most, op: str):
     """``most`` at the run's bound (noted)."""
-    bound = _BOUND.get()
+    known.assume(bound_note(op))
+    return at_bound(most)
+
+
+def bound_note(op: str) -> str:
+    """The note for a count ``op`` takes at the run's bound, at the model's line."""
     from .sources import model_line
-    known.assume(f"data-dependent size: {op}{model_line()} counted with "
-                 f"{bound.describe()}")
+    return (f"data-dependent size: {op}{model_line()} counted with "
+            f"{_BOUND.get().describe()}")
+
+
+def at_bound(most):
+    """A count of at most ``most`` at the run's bound (nothing noted)."""
+    bound = _BOUND.get()
     if bound.kind == "fraction":
         return _ceil_fraction(most, bound.fraction)
     return most

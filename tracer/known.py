@@ -542,11 +542,17 @@ class _Known:
         if not (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)):
             return False
         each = self.counts.get(x.untyped_storage()) if self.counts else None
+        exact = False
         if each is None:
-            b = self.bounds(x) if x.dtype != torch.bool else (0, 1)
+            b = self.bounds(x)
+            if b is None and x.dtype == torch.bool:
+                b = (0, 1)
             if b is None or b[0] < 0 or b[1] > 1:
                 return False
-            each = 1
+            if b[0] == b[1]:   # all zeros or all ones: the sum is known, nothing assumed
+                exact, each = True, b[0]
+            else:
+                each = 1
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
         if func is aten.sum.default or dims is None or len(dims) == 0:
             over = x.numel()
@@ -554,21 +560,26 @@ class _Known:
             over = 1
             for d in dims:
                 over = over * x.shape[d % max(x.dim(), 1)]
-        self._counts(out, each * over)
+        self._counts(out, each * over, exact)
         return True
 
-    def _counts(self, t: torch.Tensor, most) -> None:
-        """``t`` holds counts of at most ``most``; one count alone (a 0-dim tensor) is a size
-        from here on, at the bound the run answers data-dependent counts at
-        (:mod:`memsim.tracer.data_dependent`): arithmetic on it and reads of it follow it."""
-        from .data_dependent import count
+    def _counts(self, t: torch.Tensor, most, exact: bool = False) -> None:
+        """``t`` holds counts of at most ``most`` (``exact``: each is ``most``); one count
+        alone (a 0-dim tensor) is a size from here on, at the bound the run answers
+        data-dependent counts at (:mod:`memsim.tracer.data_dependent`): arithmetic on it and
+        reads of it follow it, and what it assumed is noted where it is read."""
+        from .data_dependent import at_bound, bound_note
         st = t.untyped_storage()
         self.counts[st] = most
         if t.is_floating_point():
             return
-        self.exactly[st] = count(most, None, "a count of true elements")
+        self.exactly[st] = most if exact else at_bound(most)
         if t.dim() == 0:
             self.sizes[st] = self.exactly[st]
+        if exact:
+            self.because.pop(st, None)
+        else:
+            self.because[st] = bound_note("a count of true elements")
 
     def most(self, t) -> object | None:
         """The most each element of ``t``'s storage can be, where it holds counts."""
@@ -652,7 +663,7 @@ class _Known:
         got = (flipped if flip else truth).get(func)
         if got is None:
             return False
-        self.mark(out, got)
+        self.mark(out, got, self.why(*args[:2]))
         return True
 
     def _size(self, x):
@@ -718,6 +729,11 @@ def mark(t: torch.Tensor) -> None:
     """``t``'s storage holds only ones (an input given so)."""
     if _active is not None:
         _active.mark(t)
+
+
+def why(t) -> str | None:
+    """The assumption ``t``'s known values rest on in the current run, or None."""
+    return None if _active is None else _active.why(t)
 
 
 def bounds(t) -> tuple | None:
