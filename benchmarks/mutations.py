@@ -289,8 +289,8 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_data_dependent.py::test_a_fraction_of_the_elements",),
              "a fraction of a count rounded down, not up"),
     Mutation("known-mask-not-counted-exactly", "tracer/data_dependent.py",
-             "        if b[0] > 0 or b[1] < 0:\n            return most",
-             "        if b[0] > 0 or b[1] < 0:\n            return _bounded(most, op)",
+             "        return 0 if b[0] == b[1] == 0 else most",
+             "        return 0 if b[0] == b[1] == 0 else _bounded(most, op)",
              ("tests/test_data_dependent.py::test_a_mask_the_run_knows_is_counted_exactly_with_nothing_assumed",),
              "a mask the run knows to be all true counted at the bound, with a note"),
     Mutation("nonzero-indices-not-known", "tracer/data_dependent.py",
@@ -308,7 +308,7 @@ MUTATIONS: list[Mutation] = [
              "given[b.site] = b.value\n            notes.append",
              ("tests/test_data_dependent.py::test_truth_values_read_without_data_take_the_branch_a_run_takes_or_the_larger",),
              "a branch on which the model raises retried as it was"),
-    Mutation("range-against-counts-undecided", "tracer/known.py",
+    Mutation("range-against-counts-undecided", "tracer/known_data.py",
              "        if n is None or v is None or _expr(n) != _expr(v):\n            return False",
              "        if True:\n            return False",
              ("tests/test_data_dependent.py::test_a_truth_value_read_without_data_is_tried_both_ways",),
@@ -384,7 +384,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_errors.py::test_a_size_past_the_models_positions_is_refused_before_the_trace",),
              "a size past the model's positions found only after the trace"),
 
-    Mutation("count-noted-unread", "tracer/known.py",
+    Mutation("count-noted-unread", "tracer/known_data.py",
              "            self.because[st] = bound_note(\"a count of true elements\")",
              "            self.because[st] = bound_note(\"a count of true elements\")\n"
              "            assume(self.because[st])",
