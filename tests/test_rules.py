@@ -316,6 +316,12 @@ def _traces():
         analyze(model, {"x": ("float32", ["B", 8])}, device="cpu", inference=False)
     analyze(ctc, {"x": ("float32", ["B", "T", 8]), "labels": ("int64", ["B", "S"])},
             device="cpu", inference=False)
+    # nn.TransformerEncoder's left-aligned padding check (inference), tried both ways
+    with meta():
+        transformer = zoo.TorchTransformer()
+    analyze(transformer, {"src": ("float32", ["B", "S", 32]), "tgt": ("float32", ["B", "T", 32]),
+                          "src_key_padding_mask": ("bool", ["B", "S"])}, device="cpu",
+            train=False)
     # F.one_hot as the kernels run it, on each device (a mixture of experts' eager loop)
     with meta():
         experts = zoo.TopKExperts()
