@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
-import weakref
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -106,22 +105,13 @@ def _ceil_fraction(n, f: Fraction):
     return (n * f.numerator + f.denominator - 1) // f.denominator
 
 
-# mask storage -> {(shape, stride, offset): count}: a mask counted once is counted the same
-# when it is used again (backward indexes with the mask forward saved)
-_COUNTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def count(most, mask: torch.Tensor | None, op: str):
     """How many elements of ``mask`` are not zero, of at most ``most``: what is known of its
-    values, else the run's bound (noted); the same count each time the same mask is counted."""
+    values, else the run's bound (noted); the same count each time the run counts the same mask
+    (backward indexes with the mask forward saved: :func:`memsim.tracer.known.counted`)."""
     if mask is None:
         return _bounded(most, op)
-    from .recorder import as_expr
-    key = tuple(as_expr(d) for d in (*mask.shape, -1, *mask.stride(), mask.storage_offset()))
-    seen = _COUNTED.setdefault(mask.untyped_storage(), {})
-    if key not in seen:
-        seen[key] = _count(most, mask, op)
-    return seen[key]
+    return known.counted(mask, lambda: _count(most, mask, op))
 
 
 def _count(most, mask: torch.Tensor, op: str):
@@ -162,16 +152,10 @@ def at_bound(most):
 def _all_indices(shape) -> torch.Tensor | None:
     """The indices of every element of a concrete ``shape`` (``nonzero`` of a mask of ones), or
     None where the shape is symbolic or large."""
-    if not all(type(d) is int for d in shape):
-        return None
-    n = 1
-    for d in shape:
-        n *= d
-    if n > known.SMALL:
+    if not all(type(d) is int for d in shape) or math.prod(shape) > known.SMALL:
         return None
     with unset_fake_temporarily():
-        return torch.tensor(list(itertools.product(*(range(d) for d in shape))),
-                            dtype=torch.long).reshape(n, len(shape))
+        return torch.ones(shape, dtype=torch.bool).nonzero()
 
 
 @dataclass(frozen=True)
@@ -221,9 +205,7 @@ def _routed(x: torch.Tensor, op: str):
     if got is None:
         return None
     route, expert = got
-    bound = _BOUND.get()
-    from .sources import model_line
-    known.assume(f"data-dependent size: {op}{model_line()}: {route.describe(bound)}")
+    bound = _route_noted(route, op)
     if expert is None:
         hit = route.experts_hit(bound)
         with unset_fake_temporarily():
@@ -238,11 +220,15 @@ def routed_tokens(t: torch.Tensor):
     if got is None:
         return None
     route, expert = got
-    bound = _BOUND.get()
+    return route.tokens_of(expert, _route_noted(route, "tokens per expert"))
+
+
+def _route_noted(route: Route, op: str) -> Bound:
+    """The run's bound, the routing ``op`` counts at it noted at the model's line."""
     from .sources import model_line
-    known.assume(f"data-dependent size: tokens per expert{model_line()}: "
-                 f"{route.describe(bound)}")
-    return route.tokens_of(expert, bound)
+    bound = _BOUND.get()
+    known.assume(f"data-dependent size: {op}{model_line()}: {route.describe(bound)}")
+    return bound
 
 
 def _nonzero_of(x: torch.Tensor, op: str) -> torch.Tensor:
@@ -281,27 +267,22 @@ def _nonzero(recorder, func, args, kwargs):
 def _masked_select(recorder, func, args, kwargs):
     x, mask = args[0], args[1]
     shape = torch.broadcast_shapes(x.shape, mask.shape)
-    most = 1
-    for d in shape:
-        most = most * d
-    n = count(most, mask if tuple(mask.shape) == tuple(shape) else None, "masked_select")
+    n = count(math.prod(shape), mask if tuple(mask.shape) == tuple(shape) else None,
+              "masked_select")
     return torch.empty((n,), dtype=x.dtype, device=x.device)
 
 
 def _long_indices(indices, op: str) -> list | None:
     """``indices`` with each boolean mask replaced by the long indices of its true elements
     (as ATen's index kernels do before indexing), or None where none is boolean."""
-    if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-               for i in indices):
-        return None
-    out = []
+    out, masks = [], False
     for i in indices:
         if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
-            nz = _nonzero_of(i, op)
-            out.extend(nz.unbind(1))
+            out.extend(_nonzero_of(i, op).unbind(1))
+            masks = True
         else:
             out.append(i)
-    return out
+    return out if masks else None
 
 
 @rule(Kind.ATEN, aten.index.Tensor,
@@ -330,7 +311,6 @@ def _unique(recorder, func, args, kwargs):
     """``unique`` variants: at most as many values as elements (the count is the bound's);
     inverse indices and counts have their fixed shapes."""
     x = args[0]
-    n = count(x.numel(), None, "unique")
     names = [a.name for a in func._schema.arguments]
     opts = dict(zip(names, args), **kwargs)
     dim = opts.get("dim")
@@ -342,14 +322,14 @@ def _unique(recorder, func, args, kwargs):
         values = torch.empty(shape, dtype=x.dtype, device=x.device)
         inverse_shape = (x.shape[d],)
     else:
+        n = count(x.numel(), None, "unique")
         values = torch.empty((n,), dtype=x.dtype, device=x.device)
         inverse_shape = tuple(x.shape)
     want_inverse = opts.get("return_inverse", False)
     want_counts = opts.get("return_counts", False)
     inverse = torch.empty(inverse_shape if want_inverse else (0,), dtype=torch.long,
                           device=x.device)
-    counts = torch.empty((n if dim is None else values.shape[d],) if want_counts else (0,),
-                         dtype=torch.long, device=x.device)
+    counts = torch.empty((n,) if want_counts else (0,), dtype=torch.long, device=x.device)
     outs = len(func._schema.returns)
     return (values, inverse, counts)[:outs] if outs > 1 else values
 
@@ -357,7 +337,6 @@ def _unique(recorder, func, args, kwargs):
 for _op in (aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default):
     rule(Kind.ATEN, _op, doc="unique: at most as many values as elements, counted as "
          "--data-dependent bounds it; inverse indices and counts of their fixed shapes")(_unique)
-
 
 
 @rule(Kind.ATEN, aten._ctc_loss.Tensor,
@@ -390,6 +369,7 @@ def _ctc_loss(recorder, func, args, kwargs):
           "log_probs, contiguous, as the CPU kernel returns it")
 def _ctc_loss_backward(recorder, func, args, kwargs):
     return torch.empty(args[1].shape, dtype=args[1].dtype, device=args[1].device)
+
 
 # -- values read in Python control flow ---------------------------------------------------------
 

@@ -151,6 +151,9 @@ class _Known(Contents, Counts, Routes):
         self.branches: dict = {}
         # storage -> the size (a SymInt) a 0-dim tensor holds: ``torch.div`` of sizes
         self.sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # storage -> {(shape, stride, offset): count}: a mask counted once is counted the same
+        # when it is used again (memsim.tracer.data_dependent.count)
+        self.masks_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # storage -> every element's value, a real 1-D tensor as long as the storage (a small
         # storage of concrete size: the indices of a mask's true elements, what is computed
         # from them)
@@ -498,6 +501,19 @@ def most(t) -> object | None:
     """The most each element of ``t`` can be where it holds counts of true elements (an int
     or a SymInt), or None."""
     return None if _active is None else _active.most(t)
+
+
+def counted(mask: torch.Tensor, count):
+    """The count of ``mask``'s true elements the current run took the first time it counted
+    this view of its storage, ``count()`` the first time (outside a run: ``count()``)."""
+    if _active is None:
+        return count()
+    from .recorder import as_expr
+    key = tuple(as_expr(d) for d in (*mask.shape, -1, *mask.stride(), mask.storage_offset()))
+    seen = _active.masks_counted.setdefault(mask.untyped_storage(), {})
+    if key not in seen:
+        seen[key] = count()
+    return seen[key]
 
 
 def routed(t: torch.Tensor):
