@@ -391,6 +391,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_data_dependent.py::test_a_mask_the_run_knows_is_counted_exactly_with_nothing_assumed",),
              "a count of true elements noted where it is made, not where a size reads it"),
 
+    Mutation("count-element-not-read", "tracer/known.py",
+             "            if size is None and self.exactly and type(t.numel()) is int and t.numel() == 1:",
+             "            if False:",
+             ("tests/test_data_dependent.py::test_an_element_of_counts_read_as_a_size",),
+             "one element of counts of true elements read as a number refused"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

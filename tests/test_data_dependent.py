@@ -146,6 +146,26 @@ def test_a_failure_only_inference_meets_leaves_the_training_answer():
     assert "inference" not in to_json(report, {"B": 3})
 
 
+class CountAsSize(torch.nn.Module):
+    """One row's count of true elements read as a size."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        n = int((x > 0).sum(-1)[0])
+        return self.fc(x)[:, :n].exp().sum()
+
+
+def test_an_element_of_counts_read_as_a_size():
+    inputs = {"x": ("float32", ["B", 8])}
+    report = predict(CountAsSize, inputs)
+    assert any("a count of true elements" in n for n in report.notes), report.notes
+    check(report, CountAsSize, inputs, [{"B": 3}, {"B": 6}],
+          real_inputs=lambda pt: {"x": example_inputs(inputs, pt)["x"].abs() + 0.1})
+
+
 def test_the_bound_is_checked_and_named():
     from memsim.tracer import InputError, StepConfig
     assert str(StepConfig(data_dependent="0.5").data_dependent) == "0.5"

@@ -44,14 +44,10 @@ def _local_scalar(recorder, func, args, kwargs):
         return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
     if args[0].dtype == torch.bool and _asserted():
         return True
-    from .data_dependent import count, decide, routed_tokens, site_here
+    from .data_dependent import decide, routed_tokens, site_here
     tokens = routed_tokens(args[0])
     if tokens is not None:
         return tokens
-    most = known.most(args[0])
-    if most is not None and not args[0].is_floating_point():
-        # a count of true elements read as a number (a size): at the bound
-        return count(most, None, "a count of a mask's true elements read with .item()")
     v = decide(args[0])
     if v is not None:
         t = args[0]

@@ -218,10 +218,13 @@ class _Known(Contents, Counts, Routes):
         return b[0] if b is not None and b[0] == b[1] else None
 
     def value(self, t):
-        """:meth:`exact`, or the size a 0-dim tensor holds (a SymInt: read, never compared
-        here, which would add a guard)."""
-        if isinstance(t, torch.Tensor) and self.sizes:
+        """:meth:`exact`, or the size a 0-dim tensor holds, or the count every element of a
+        storage of counts is taken to hold (SymInts: read, never compared here, which would
+        add a guard)."""
+        if isinstance(t, torch.Tensor) and (self.sizes or self.exactly):
             size = self.sizes.get(t.untyped_storage())
+            if size is None and self.exactly and type(t.numel()) is int and t.numel() == 1:
+                size = self.exactly.get(t.untyped_storage())
             if size is not None:
                 return size
         return self.exact(t)
