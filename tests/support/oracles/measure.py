@@ -222,20 +222,16 @@ def _cast_inputs(inputs: dict, dtype) -> dict:
 
 
 def _reached(model: torch.nn.Module, inputs: dict, loss_fn, autocast) -> set[int]:
-    """The ids of the parameters a training step's backward reaches (their AccumulateGrad
-    nodes in the loss's graph), from one forward that is then dropped."""
+    """The ids of the parameters a training step's backward gives a gradient, from one
+    forward and backward that are then dropped (gradients reset to None). A walk of the loss's
+    graph misses parameters that a custom autograd function differentiates itself (Reformer's
+    reversible layers), whose real optimizer state the steady step holds all the same."""
     with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
         loss = loss_fn(model(**inputs))
-    found, seen, todo = set(), set(), [loss.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        v = getattr(fn, "variable", None)
-        if v is not None:
-            found.add(id(v))
-        todo.extend(f for f, _ in fn.next_functions)
+    loss.backward()
+    found = {id(p) for p in model.parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
     return found
 
 
