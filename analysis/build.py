@@ -69,13 +69,18 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         ``keep_outputs=False``...), applied over ``config`` and validated once.
     """
     config = StepConfig.of(config, **options)
+    # a windowed vision transformer's image sizes: traced at multiples of its step (hf.py)
+    auto = {n: k for n, k in hf.multiples(model, inputs).items()
+            if n not in config.multiples and config.hints.get(n, k) % k == 0}
+    if auto:
+        config = config.replace(multiples={**config.multiples, **auto})
     try:
         retracer = Retracer(analyze, model, inputs, config, dict(
             train=train, inference=inference, transform=transform, driver=driver))
         retracer.beside(points, fixed)
         return _analyze(model, inputs, config, train=train, inference=inference,
                         transform=transform, driver=driver, fixed=fixed, explore=explore,
-                        retracer=retracer)
+                        retracer=retracer, points=points)
     except TraceError as e:
         if not fit:
             raise
@@ -92,23 +97,28 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         if e.symbol is None:
             raise
         from .fitted import fitted
-        return fitted(analyze, model, inputs, config, e, hints[e.symbol],
+        # the sizes fitted stay within the model's own limits (a Hugging Face model's
+        # positions) as the traces do
+        config = config.replace(limits={**hf.limits(model, inputs), **config.limits})
+        # from the size it was pinned at (a retry at the sizes asked for: Reformer's S)
+        start = getattr(e, "example", None) or hints[e.symbol]
+        return fitted(analyze, model, inputs, config, e, start,
                       [v for k, v in hints.items() if k != e.symbol], fixed=fixed,
                       explore=explore, original=original, train=train,
                       inference=inference, transform=transform, driver=driver)
 
 
 def _example_sizes(inputs: dict, config: StepConfig) -> dict[str, int]:
-    from memsim.tracer.trace import example_sizes
+    from memsim.tracer.example_sizes import example_sizes
     return example_sizes([make_spec(n, v) for n, v in inputs.items() if is_tensor_spec(v)],
-                         config.hints)
+                         config.hints, config.multiples)
 
 
 def _analyze(model, inputs, config, *, train, inference, transform, driver, fixed, explore,
-             retracer):
+             retracer, points=None):
     patches, auto_limits = hf.adapt(model, inputs)
     run_config = config.replace(limits={**auto_limits, **config.limits})
-    kw = dict(transform=transform, patches=patches)
+    kw = dict(transform=transform, patches=patches, sizes=list(points or ()))
     tr_step = inf_step = None
     modules: list[ModuleSaved] = []
     other: dict[str, int] = {}
@@ -144,9 +154,17 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
                         reserve_notes(tr_step.trace.run.ops) if tr_step is not None else ())
                     + tuple(hf.layerdrop_note(model) if tr_step is not None else ())
                     + tuple(dict.fromkeys(a for s in (tr_step, inf_step) if s is not None
-                                          for a in s.trace.run.assumed)) + tuple(unanswered),
+                                          for a in s.trace.run.assumed)) + tuple(unanswered)
+                    + tuple(_step_notes(first.trace.multiples)),
                     retracer=retracer)
     return cross_guards(report) if explore else report
+
+
+def _step_notes(multiples: dict[str, int]) -> list[str]:
+    return [f"{n} is traced at multiples of {k} (the model pads other sizes to whole "
+            f"steps): the formulas hold where {n} is a multiple of {k}, from {2 * k} on; "
+            f"another {n} is traced at that size when asked for (exact there)"
+            for n, k in multiples.items()]
 
 
 def _compiled_notes(config: StepConfig, step: StepMemory) -> list[str]:

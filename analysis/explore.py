@@ -173,7 +173,11 @@ def for_point(report: Report, point: Mapping[str, int]) -> tuple[Report, dict[st
     side = report.side_for(point)
     if side is not None:
         return report.counterpart(side), dict(point)
-    moved = {n: v for n, v in need.items() if v >= 2 and not report.inside(n, v)}
+    steps = report.config.multiples
+    # a size of a stepped symbol that is no multiple of its step, or below two steps, is
+    # traced at that size (its padding is the model's own, on no formula)
+    moved = {n: v for n, v in need.items() if v >= 2 and not report.inside(n, v)
+             and not (n in steps and (v % steps[n] or v < report.ranges[n][0]))}
     sub = across(report, *next(iter(moved.items())), point) if moved else \
         report.retracer(need, report.fixed)
     sub = report.counterpart(sub)
@@ -224,6 +228,12 @@ def probe_size(report: Report, name: str, v: int,
     lo, hi = bounds or report.ranges[name]
     taken = set((report.train or report.inference).trace.hints.values())
     limit = report.limit(name)
+    step = report.config.multiples.get(name)
+    if step is not None:   # a stepped symbol: the next multiple past the range's end
+        p = (hi // step + 1) * step if hi is not None and v > hi else -(-v // step) * step
+        while p in taken or (p // step) in {h // step for h in taken}:
+            p += step
+        return p if limit is None or p <= limit else v
     if hi is not None and v > hi:
         p = sympy.nextprime(hi)
         while p in taken:

@@ -333,7 +333,10 @@ def fitted(analyze, model, inputs, config, error: SpecializationError, hint: int
             misses.append(f"{name}={', '.join(map(str, sizes))}: misses {name}={check}")
             continue
         return report
-    why = "; no fit in it held either (" + "; ".join(misses) + ")"
+    limit = config.limits.get(name)
+    why = ("; no fit in it held either (" + "; ".join(misses) + ")" if misses else
+           f"; the model's limit {name} <= {limit} leaves too few sizes for a fit from "
+           f"{name}={hint}" if limit is not None else "")
     if original is not None and not isinstance(original, SpecializationError):
         # a kernel that takes no symbolic sizes: --at traces every symbol at the point
         raise type(original)(original.message + why, module=original.module, op=original.op,

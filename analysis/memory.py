@@ -108,9 +108,11 @@ class StepMemory:
         return max(int(v) for v in self._functions[name](*args))
 
     def violated(self, point: dict[str, int]) -> list:
-        """The trace's conditions (:attr:`memsim.tracer.Trace.conditions`) false at ``point``."""
+        """The trace's conditions (:attr:`memsim.tracer.Trace.conditions`, and a stepped
+        symbol's multiples: :meth:`memsim.tracer.Trace.step_conditions`) false at ``point``."""
         subs = {self.trace.symbols[n]: v for n, v in point.items() if n in self.trace.symbols}
-        return [c for c in self.trace.conditions if c.xreplace(subs) is not sympy.true]
+        return [c for c in (*self.trace.conditions, *self.trace.step_conditions())
+                if c.xreplace(subs) is not sympy.true]
 
     def evaluate(self, expr: sympy.Expr, point: dict[str, int]) -> int:
         return int(sympy.sympify(expr).xreplace(self.check_point(point)))

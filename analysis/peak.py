@@ -60,10 +60,12 @@ class Candidate:
 
 
 class PolyBasis:
-    """Maps size expressions to ``{monomial: int coefficient}`` dicts, with a cache.
+    """Maps size expressions to ``{monomial: coefficient}`` dicts, with a cache.
 
     Monomials are sympy products of the symbols and of any non-polynomial atoms a size holds
     (``floor(S/2)`` from a strided pooling, say): an atom stays a factor of its monomial.
+    Coefficients are ints, or Fractions where a symbol is traced at multiples of a step
+    (``B*H**2/4`` bytes for ``H`` a multiple of 32: whole at every size the formulas hold for).
     """
 
     def __init__(self, symbols: Sequence[sympy.Symbol]):
@@ -76,9 +78,10 @@ class PolyBasis:
             got = {}
             for m, c in sympy.expand(expr).as_coefficients_dict().items():
                 if c != 0:
-                    if not c.is_Integer:
-                        raise ValueError(f"size {expr} has a non-integer coefficient {c}")
-                    got[m] = got.get(m, 0) + int(c)
+                    if not c.is_Rational:
+                        raise ValueError(f"size {expr} has a non-rational coefficient {c}")
+                    v = int(c) if c.is_Integer else Fraction(int(c.p), int(c.q))
+                    got[m] = got.get(m, 0) + v
             self._cache[expr] = got
         return got
 

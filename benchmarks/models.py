@@ -19,8 +19,10 @@ docs/accuracy.md ("Model families") is this script's output.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -54,6 +56,10 @@ class _UNetLoss(torch.nn.Module):
 
     def forward(self, sample, timestep, encoder_hidden_states):
         return self.unet(sample, timestep, encoder_hidden_states).sample.float().pow(2).mean()
+
+
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=1e-3)
 
 
 def _seq2seq(cls, cfg):
@@ -167,62 +173,202 @@ MODELS = {
                   {"pixel_values": ("float32", ["B", 3, "H", "H"]),
                    "labels": ("int64", ["B", "H", "H"])},
                   [{"B": 2, "H": 24}, {"B": 2, "H": 37}]),
+    # the rest of issue 43's pass: families that pin a symbol, change themselves, or need an
+    # example size of their own
+    "pegasus": ("Pegasus, encoder S and decoder T (transformers)", lambda: hf.pegasus(64),
+                {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "T"])},
+                [{"B": 2, "S": 9, "T": 5}, {"B": 3, "S": 20, "T": 64}]),
+    "bigbird": ("BigBird, block-sparse attention (changes itself)", hf.bigbird, LM,
+                [{"B": 2, "S": 16}, {"B": 3, "S": 72}]),
+    "dbrx": ("DBRX, eager expert loop (routing: max)", hf.dbrx, LM,
+             [{"B": 2, "S": 8}, {"B": 3, "S": 6}], dict(real=hf.dbrx_forced)),
+    "transformer": ("nn.Transformer, padding and causal masks", zoo.TorchTransformer,
+                    {"src": ("float32", ["B", "S", 32]), "tgt": ("float32", ["B", "T", 32]),
+                     "src_key_padding_mask": ("bool", ["B", "S"])},
+                    [{"B": 2, "S": 9, "T": 5}, {"B": 3, "S": 20, "T": 12}],
+                    dict(inputs=lambda pt, x: dict(x, src_key_padding_mask=torch.zeros(
+                        pt["B"], pt["S"], dtype=torch.bool)))),
+    "unet-bf16": ("U-Net with GroupNorm, bf16-mixed, SGD", zoo.GroupNormUNet,
+                  {"x": ("float32", ["B", 3, "H", "H"]), "y": ("float32", ["B", 3, "H", "H"])},
+                  [{"B": 3, "H": 32}, {"B": 2, "H": 24}],
+                  dict(options={"precision": "bf16-mixed", "optimizer": "sgd"},
+                       real_options={"precision": "bf16-mixed", "optimizer": _sgd})),
+    "swin": ("Swin, symbolic image size", hf.swin,
+             {"pixel_values": ("float32", ["B", 3, "H", "H"]), "labels": ("int64", ["B"])},
+             [{"B": 2, "H": 32}, {"B": 3, "H": 48}]),
+    "mobilenetv2": ("MobileNetV2, symbolic image size", hf.mobilenet_v2,
+                    {"pixel_values": ("float32", ["B", 3, "H", "H"]),
+                     "labels": ("int64", ["B"])},
+                    [{"B": 2, "H": 32}, {"B": 3, "H": 48}]),
+    "reformer": ("Reformer, its fixed length of 64", hf.reformer,
+                 {"input_ids": ("int64", ["B", 64]), "labels": ("int64", ["B", 64])},
+                 [{"B": 2}, {"B": 5}]),
+    "funnel": ("Funnel (S pinned by arange)", hf.funnel, LM,
+               [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "rwkv": ("RWKV (a loop over S)", hf.rwkv, LM, [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "clip": ("CLIP, contrastive loss (B pinned by arange)", hf.clip,
+             {"input_ids": ("int64", ["B", "S"]), "pixel_values": ("float32", ["B", 3, 32, 32]),
+              "return_loss": True},
+             [{"B": 2, "S": 9}, {"B": 5, "S": 20}]),
+    "bigru": ("bidirectional GRU LM (nn.GRU)", lambda: zoo.GRULM(bidirectional=True),
+              {"x": ("int64", ["B", "S"])}, [{"B": 3, "S": 40}, {"B": 25, "S": 60}]),
 }
 
 
 def real(factory, inputs, point, extra=None) -> tuple[int, int]:
     """The real run's training and inference peaks (``extra``: the real model's factory and
-    inputs where the data must make a bound hold)."""
+    inputs where the data must make a bound hold, the real step's options)."""
     extra = extra or {}
     torch.manual_seed(0)
     model = materialize(extra.get("real", factory)())
     x = example_inputs(inputs, point)
     if "inputs" in extra:
         x = extra["inputs"](point, x)
-    return measure_train(model, x).peak, measure_inference(model, x, "32-true")
+    kw = extra.get("real_options", {})
+    return (measure_train(model, x, **kw).peak,
+            measure_inference(model, x, kw.get("precision", "32-true")))
 
 
-def run(key: str) -> list:
+def run(key: str) -> dict:
+    """One family's entry of the results: how its formulas were obtained, the analysis time,
+    and per point the peaks predicted and measured; or why it was refused."""
     name, factory, inputs, points, *more = MODELS[key]
     extra = more[0] if more else {}
-    t0 = time.perf_counter()
     try:
         with torch.device("meta"):
             model = factory()
         t0 = time.perf_counter()
         report = analyze(model, inputs, device="cpu", **extra.get("options", {}))
     except Exception as e:  # a family memsim cannot analyse yet: say so, go on
-        return [[name, f"refused: {type(e).__name__}", "-", "-", "-", "-", "-"]]
+        return {"name": name, "refused": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     took = time.perf_counter() - t0
     how = "traced" if report.basis == "exact" else report.basis
     if any(n.startswith("data-dependent size") or "not known in a symbolic run" in n
            for n in report.notes):
         how += ", bounded"
-    rows = []
+    out = {"name": name, "formulas": how, "seconds": round(took, 1), "points": []}
     for pt in points:
         shown, at = report.for_point(pt)
         got = shown.at(**at)
-        tr, inf = real(factory, inputs, pt, extra)
-        mine = (got["train"]["peak"], got["inference"]["peak"] if "inference" in got else None)
-        verdict = "exact" if mine == (tr, inf) else "differs"
-        rows.append([name, how, f"{took:.1f}", ", ".join(f"{k}={v}" for k, v in pt.items()),
-                     f"{mine[0]:,} / {tr:,}",
-                     f"{mine[1]:,} / {inf:,}" if mine[1] is not None else f"- / {inf:,}",
-                     verdict])
-    return rows
+        try:
+            tr, inf = real(factory, inputs, pt, extra)
+        except Exception as e:  # the real run itself fails: say so, go on
+            return {"name": name, "refused": f"the real run failed: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0]}"}
+        mine = [got["train"]["peak"], got["inference"]["peak"] if "inference" in got else None]
+        verdict = "exact" if mine == [tr, inf] else "differs"
+        if mine[1] is None and mine[0] == tr:
+            verdict = "train exact, inference refused"   # its trace failed (a note says why)
+        if verdict == "differs" and "bounded" in how and mine[0] >= tr and (
+                mine[1] is None or mine[1] >= inf):
+            verdict = "upper bound"   # a bound the real run's data does not reach
+        out["points"].append({"point": pt, "train": [mine[0], tr], "inference": [mine[1], inf],
+                              "verdict": verdict})
+    return out
+
+
+def _point(pt: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in pt.items())
+
+
+def _pair(pair) -> str:
+    mine, theirs = pair
+    return f"{'-' if mine is None else format(mine, ',')} / {theirs:,}"
+
+
+def _verdicts(entry: dict) -> str:
+    """``exact at B=3; B=20``, or each point's verdict where they differ."""
+    points = entry["points"]
+    if len({p["verdict"] for p in points}) == 1:
+        return f"{points[0]['verdict']} at " + "; ".join(_point(p["point"]) for p in points)
+    return "; ".join(f"{p['verdict']} at {_point(p['point'])}" for p in points)
+
+
+def table(results: dict, full: bool = False, every: bool = False) -> str:
+    """The results as a GitHub table: a row per family (the README's), or with ``full`` a row
+    per point with both peaks (docs/accuracy.md's); with ``every``, families not in
+    ``results`` too (as not measured)."""
+    from tabulate import tabulate
+    rows = []
+    for key in MODELS:
+        e = results.get(key)
+        if e is None and not every:
+            continue
+        if e is None:
+            rows.append([MODELS[key][0], "not measured", "-"] + (["-"] * 3 if full else [])
+                        + ["-"])
+            continue
+        if "refused" in e:
+            rows.append([e["name"], e["refused"], "-"] + (["-"] * 3 if full else [])
+                        + ["refused"])
+            continue
+        if not full:
+            rows.append([e["name"], e["formulas"], f"{e['seconds']:.1f}", _verdicts(e)])
+            continue
+        for p in e["points"]:
+            rows.append([e["name"], e["formulas"], f"{e['seconds']:.1f}", _point(p["point"]),
+                         _pair(p["train"]), _pair(p["inference"]), p["verdict"]])
+    headers = (["model", "formulas", "analysis (s)", "point", "train peak: memsim / real",
+                "inference peak: memsim / real", "verdict"] if full else
+               ["model", "formulas", "analysis (s)", "against real runs"])
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+RESULTS = Path(__file__).with_name("models.json")
+# the generated tables sit between these lines in each page
+BEGIN = "<!-- generated by python3 -m benchmarks.models --write: do not edit -->"
+END = "<!-- end of generated table -->"
+PAGES = {"README.md": False, "docs/accuracy.md": True}   # page -> full table
+
+
+def generated(text: str) -> str:
+    """The table between :data:`BEGIN` and :data:`END` in a page's text."""
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def write(results: dict) -> None:
+    """Save the results and put their tables into the README and docs/accuracy.md."""
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    root = Path(__file__).resolve().parent.parent
+    for page, full in PAGES.items():
+        path = root / page
+        text = path.read_text()
+        head, rest = text.split(BEGIN, 1)
+        path.write_text(head + BEGIN + "\n" + table(results["families"], full, every=True) + "\n"
+                        + END + rest.split(END, 1)[1])
 
 
 def main(argv: list[str]) -> None:
-    from tabulate import tabulate
-    keys = argv or list(MODELS)
-    rows = []
+    import argparse
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.models", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("families", nargs="*", choices=[[]] + list(MODELS), metavar="FAMILY",
+                   help=f"some of: {', '.join(MODELS)} (default: all)")
+    p.add_argument("--write", action="store_true",
+                   help="merge the results into benchmarks/models.json and regenerate the "
+                   "tables of the README and docs/accuracy.md from it")
+    args = p.parse_args(argv)
+    keys = args.families or list(MODELS)
+    results = {}
     for k in keys:
-        rows += run(k)
-        print(tabulate(rows[-len(MODELS[k][3]):], tablefmt="plain"), flush=True)
+        results[k] = run(k)
+        print("\n".join(table({k: results[k]}, full=True).splitlines()[2:]), flush=True)
     print()
-    print(tabulate(rows, headers=["model", "formulas", "analysis (s)", "point",
-                                  "train peak: memsim / real", "inference peak: memsim / real",
-                                  "verdict"], tablefmt="github"))
+    print(table(results, full=True))
+    if args.write:
+        saved = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"families": {}}
+        merged = {**saved["families"], **results}
+        saved["families"] = {k: merged[k] for k in MODELS if k in merged}
+        saved["environment"] = _environment()
+        write(saved)
+
+
+def _environment() -> str:
+    import platform
+
+    import transformers
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, Python "
+            f"{platform.python_version()}, {torch.get_num_threads()} threads")
 
 
 if __name__ == "__main__":

@@ -335,8 +335,8 @@ MUTATIONS: list[Mutation] = [
              "F.one_hot left to the fake kernel's comparison (a boolean mask more)"),
 
     Mutation("json-conditions-dropped", "memsim/render.py",
-             "\"conditions\": [formula(c) for c in (trace.conditions if trace is not None else ())]",
-             "\"conditions\": []",
+             "\"conditions\": [formula(c) for c in ((*trace.conditions, *trace.step_conditions())",
+             "\"conditions\": [formula(c) for c in ((",
              ("tests/test_report_json.py",),
              "the JSON's formulas without the conditions they hold under"),
     Mutation("json-python-mod-unparsable", "memsim/formats.py",
@@ -396,6 +396,79 @@ MUTATIONS: list[Mutation] = [
              "            if False:",
              ("tests/test_data_dependent.py::test_an_element_of_counts_read_as_a_size",),
              "one element of counts of true elements read as a number refused"),
+
+
+    Mutation("step-not-applied-to-the-input", "tracer/run_context.py",
+             "                symints[name] = symints[name] * step",
+             "                pass",
+             ("tests/test_multiples.py::test_a_stepped_symbol_has_polynomial_formulas_equal_to_real_runs",),
+             "a stepped symbol's input sized by its count of steps"),
+
+    Mutation("step-not-divided-back", "tracer/trace.py",
+             "    to_user = {raw: user[n] / table.steps.get(n, 1) for n, raw in table.raw.items()}",
+             "    to_user = {raw: user[n] for n, raw in table.raw.items()}",
+             ("tests/test_multiples.py::test_a_stepped_symbol_has_polynomial_formulas_equal_to_real_runs",),
+             "formulas of a stepped symbol in its count of steps"),
+
+    Mutation("step-range-not-scaled", "tracer/trace.py",
+             "        lo, hi = (lo if lo is None else lo * step), (hi if hi is None else hi * step)",
+             "        pass",
+             ("tests/test_multiples.py::test_a_stepped_symbol_has_polynomial_formulas_equal_to_real_runs",),
+             "a stepped symbol's range in steps, not sizes"),
+
+    Mutation("step-condition-ignored", "analysis/memory.py",
+             "        return [c for c in (*self.trace.conditions, *self.trace.step_conditions())",
+             "        return [c for c in (*self.trace.conditions,",
+             ("tests/test_multiples.py::test_a_stepped_symbol_has_polynomial_formulas_equal_to_real_runs",),
+             "a size off the step answered from the formulas"),
+
+    Mutation("off-step-size-crossed", "analysis/explore.py",
+             "             and not (n in steps and (v % steps[n] or v < report.ranges[n][0]))}",
+             "             }",
+             ("tests/test_multiples.py::test_a_stepped_symbol_has_polynomial_formulas_equal_to_real_runs",),
+             "a size off the step traced at another example size instead of at that size"),
+
+    Mutation("division-remainder-unchecked", "tracer/divisions.py",
+             "    if not (_nonnegative(r, lower) and _nonnegative(sympy.expand(b - r - 1), lower)):",
+             "    if False:",
+             ("tests/test_doctests.py",),
+             "a floor division replaced by its quotient where the remainder can exceed the divisor"),
+
+    Mutation("swin-step-not-found", "tracer/hf.py",
+             "        step = patch * window * 2 ** (len(depths) - 1)",
+             "        return {}",
+             ("tests/test_vision_sizes.py::test_swin_is_traced_at_multiples_of_its_step",),
+             "Swin traced with its image size free (minutes, then no answer)"),
+
+    Mutation("asked-sizes-not-tried", "tracer/example_sizes.py",
+             "    for pt in points or ():\n        add(",
+             "    for pt in ():\n        add(",
+             ("tests/test_example_sizes.py::test_the_sizes_asked_for_are_tried_first",),
+             "the sizes asked for not tried when the example sizes fail"),
+
+    Mutation("named-sizes-not-tried", "tracer/example_sizes.py",
+             "                    if 2 <= int(x) <= 4096} - set(hints.values()))[:4]",
+             "                    if False} - set(hints.values()))[:4]",
+             ("tests/test_example_sizes.py::test_multiples_of_a_size_the_failure_names",),
+             "multiples of the sizes a failure names not tried"),
+
+    Mutation("retry-past-the-limit", "tracer/example_sizes.py",
+             "            n not in limits or v <= limits[n])",
+             "            True)",
+             ("tests/test_example_sizes.py::test_retried_sizes_stay_within_limits_and_steps",),
+             "example sizes past the model's limit tried"),
+
+    Mutation("fit-past-the-limit", "analysis/build.py",
+             "        config = config.replace(limits={**hf.limits(model, inputs), **config.limits})",
+             "        pass",
+             ("tests/test_example_sizes.py::test_reformer_at_its_fixed_length",),
+             "a pinned symbol fitted at sizes past the model's positions"),
+
+    Mutation("whole-range-max-unknown", "tracer/known.py",
+             "        if func in _EXTREMES and self._whole_range(func, args, out):",
+             "        if False:",
+             ("tests/test_example_sizes.py::test_reformer_at_its_fixed_length",),
+             "the largest id of an expanded arange read as unknown (Reformer's inference refused)"),
 
 ]
 

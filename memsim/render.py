@@ -120,7 +120,8 @@ def _figures(report: Report, point) -> dict:
 def _valid(report: Report, step) -> dict:
     trace = getattr(step, "trace", None)
     return {"ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()},
-            "conditions": [formula(c) for c in (trace.conditions if trace is not None else ())]}
+            "conditions": [formula(c) for c in ((*trace.conditions, *trace.step_conditions())
+                                                if trace is not None else ())]}
 
 
 def _code_paths_json(report: Report) -> dict:

@@ -553,3 +553,25 @@ def test_no_dates(doc):
     dated = [f"{rel(doc)}:{i}: {line.strip()}" for i, line in
              enumerate(doc.read_text(encoding="utf-8").splitlines(), 1) if DATE.search(line)]
     assert not dated, "\n".join(dated)
+
+
+def test_the_family_tables_are_the_benchmarks_results():
+    """The model-family tables of the README and docs/accuracy.md are what
+    ``python3 -m benchmarks.models --write`` wrote from its saved results, and the results cover
+    every family of the benchmark, under its current name: a family added, renamed or dropped
+    without measuring it, or a table edited by hand, fails here."""
+    import json
+
+    pytest.importorskip("transformers")
+    from benchmarks import models
+    results = json.loads(models.RESULTS.read_text(encoding="utf-8"))["families"]
+    assert list(results) == list(models.MODELS), (
+        "benchmarks/models.json does not hold every family of benchmarks/models.py in its "
+        "order: run python3 -m benchmarks.models --write FAMILY...")
+    renamed = [k for k, e in results.items() if e["name"] != models.MODELS[k][0]]
+    assert not renamed, f"families renamed since they were measured: {renamed}"
+    for page, full in models.PAGES.items():
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert models.generated(text) == models.table(results, full, every=True), (
+            f"{page}'s family table is not the saved results: run python3 -m benchmarks.models "
+            "--write")

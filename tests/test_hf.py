@@ -8,7 +8,7 @@ from tests.support.predict import check, grid, predict
 
 T = pytest.importorskip("transformers")
 
-from tests.support.hf_models import LM, gpt2, llama, qwen3_next  # noqa: E402
+from tests.support.hf_models import LM, bigbird, gpt2, llama, pegasus, qwen3_next  # noqa: E402
 
 
 @pytest.mark.slow
@@ -448,15 +448,6 @@ def test_mamba2_scan_over_one_chunk_matches_real_run():
     check(report, mamba2, LM, [{"B": 2, "S": 9}, {"B": 3, "S": 20}])
 
 
-def bigbird():
-    """Block-sparse attention over blocks of 8 with one random block: too short a sequence
-    (S <= (5 + 2 x 1) x 8 = 56) switches the model to full attention, for good."""
-    return T.BigBirdForMaskedLM(T.BigBirdConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        vocab_size=100, max_position_embeddings=256, block_size=8, num_random_blocks=1,
-        attention_type="block_sparse"))
-
-
 @pytest.mark.heavy
 def test_a_model_that_changes_itself_is_traced_as_given_every_time():
     """BigBird's forward replaces its attention modules with full attention the first time it
@@ -470,14 +461,6 @@ def test_a_model_that_changes_itself_is_traced_as_given_every_time():
     assert len(changed) == 1 and "bert.encoder.attention_type: 'original_full' (was " \
         "'block_sparse')" in changed[0], report.notes
     check(report, bigbird, LM, [{"B": 2, "S": 16}, {"B": 3, "S": 72}])
-
-
-def pegasus():
-    return T.PegasusForConditionalGeneration(T.PegasusConfig(
-        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
-        max_position_embeddings=40, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        bos_token_id=0))
 
 
 def test_decoder_positions_and_text_config_limits():

@@ -18,48 +18,15 @@ CPU GroupNorm then differs from the fake kernel (a decomposition) twice:
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from tests.support.predict import check, predict
+from tests.support.zoo import GroupNormUNet as UNet
 
 IMG = {"x": ("float32", ["B", 3, "H", "H"]), "y": ("float32", ["B", 3, "H", "H"])}
 # H a multiple of 4 (two poolings and two x2 upsamplings give back the input's size)
 POINTS = [{"B": 3, "H": 32}, {"B": 2, "H": 16}, {"B": 4, "H": 24}]
 # fp32, the control (exact before the fix too): B symbolic, 32 x 32 images (a faster trace)
 IMG32 = {"x": ("float32", ["B", 3, 32, 32]), "y": ("float32", ["B", 3, 32, 32])}
-
-
-class Block(nn.Module):
-    """conv 3x3, GroupNorm, SiLU."""
-
-    def __init__(self, cin, cout):
-        super().__init__()
-        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
-        self.norm = nn.GroupNorm(4, cout)
-
-    def forward(self, x):
-        return F.silu(self.norm(self.conv(x)))
-
-
-class UNet(nn.Module):
-    """Three levels (c, 2c, 4c channels): max-pool down, nearest x2 up and a 1x1 convolution,
-    the skip concatenated, an MSE loss against ``y`` returned as the output."""
-
-    def __init__(self, c=16):
-        super().__init__()
-        self.e1, self.e2, self.mid = Block(3, c), Block(c, 2 * c), Block(2 * c, 4 * c)
-        self.up2, self.d2 = nn.Conv2d(4 * c, 2 * c, 1), Block(4 * c, 2 * c)
-        self.up1, self.d1 = nn.Conv2d(2 * c, c, 1), Block(2 * c, c)
-        self.out = nn.Conv2d(c, 3, 1)
-
-    def forward(self, x, y):
-        h1 = self.e1(x)
-        h2 = self.e2(F.max_pool2d(h1, 2))
-        m = self.mid(F.max_pool2d(h2, 2))
-        u2 = self.d2(torch.cat([self.up2(F.interpolate(m, scale_factor=2)), h2], 1))
-        u1 = self.d1(torch.cat([self.up1(F.interpolate(u2, scale_factor=2)), h1], 1))
-        return F.mse_loss(self.out(u1), y)
 
 
 def _sgd(ps):

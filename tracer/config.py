@@ -143,6 +143,10 @@ class StepConfig:
         when the trace starts).
     limits : mapping of str to int
         Upper bounds the model imposes on symbols (Hugging Face limits are found on their own).
+    multiples : mapping of str to int
+        Symbols traced at multiples of a step (``{"H": 32}``: an image of whole windows, where
+        the model pads other sizes): the formulas hold at multiples of it, and a size that is
+        not one is traced at that size when asked for. Swin's step is found on its own.
     fold : bool
         Trace a few blocks of a repeated stack and derive the rest, proven on the model itself
         (:mod:`memsim.tracer.fold`); False traces every block.
@@ -189,6 +193,11 @@ class StepConfig:
         "--hint", "example sizes for the symbolic run", metavar="S=64",
         value=lambda text: _assignments(text, "--hint")))
     limits: Mapping[str, int] = field(default_factory=dict)
+    multiples: Mapping[str, int] = field(default_factory=dict, metadata=_cli(
+        "--multiple-of", "trace a symbol at multiples of a step (an image of whole windows "
+        "or patches, where the model pads other sizes): the formulas hold at its multiples, "
+        "other sizes are traced when asked for", metavar="H=32",
+        value=lambda text: _assignments(text, "--multiple-of")))
     fold: bool = field(default=True, metadata=_cli(
         "--no-fold", "trace every block of a repeated stack (by default a few are traced and "
         "the rest derived, proven on the model itself; see docs/performance.md)",
@@ -226,6 +235,11 @@ class StepConfig:
             else dict(self.assume or {}))
         put("hints", _sizes(self.hints, "hints"))
         put("limits", _sizes(self.limits, "limits"))
+        put("multiples", _sizes(self.multiples, "multiples"))
+        for k, v in self.multiples.items():
+            if v < 2:
+                raise InputError(f"multiples {k}={v}: a step must be >= 2",
+                                 hint=f"drop {k} to trace every size of it")
 
     def __hash__(self) -> int:
         # every field, mappings as sorted pairs: a new field is hashed without a change here
@@ -271,7 +285,9 @@ class StepConfig:
         """The config for a trace with the symbols in ``fixed`` given as integers: their example
         sizes and limits no longer apply."""
         return self.replace(hints={k: v for k, v in self.hints.items() if k not in fixed},
-                            limits={k: v for k, v in self.limits.items() if k not in fixed})
+                            limits={k: v for k, v in self.limits.items() if k not in fixed},
+                            multiples={k: v for k, v in self.multiples.items()
+                                       if k not in fixed})
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -86,10 +86,13 @@ class SpecializationError(TraceError):
     ----------
     symbol : str or None
         The user's symbol that was pinned.
+    example : int or None
+        Its example size in the run that pinned it (where known).
     """
 
-    def __init__(self, message: str, *, symbol: str | None = None, **kw):
-        self.symbol = symbol
+    def __init__(self, message: str, *, symbol: str | None = None, example: int | None = None,
+                 **kw):
+        self.symbol, self.example = symbol, example
         super().__init__(message, **kw)
 
 

@@ -79,6 +79,35 @@ def limits(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
     return out
 
 
+
+def multiples(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
+    """``{symbol: step}`` for the image sizes of a vision model that pads by remainders:
+    a windowed transformer (Swin and its kin: a config with ``patch_size``, ``window_size``
+    and ``depths``) pads each stage's grid to whole windows and halves it, so an image of
+    ``patch_size x window_size x 2**(stages - 1)`` pixels per step is padded nowhere; a
+    network with an ``output_stride`` (MobileNet's TensorFlow padding) pads by the size's
+    remainder at each stride. Traced symbolically at other sizes, each padding is a remainder
+    of a remainder, which PyTorch's symbolic shapes take minutes to decide or the model's
+    Python pins; at multiples of the step the formulas are polynomials."""
+    cfg = getattr(model, "config", None)
+    patch, window = getattr(cfg, "patch_size", None), getattr(cfg, "window_size", None)
+    depths, stride = getattr(cfg, "depths", None), getattr(cfg, "output_stride", None)
+    if isinstance(patch, int) and isinstance(window, int) and depths:
+        step = patch * window * 2 ** (len(depths) - 1)
+    elif isinstance(stride, int) and not isinstance(stride, bool) and stride > 1:
+        step = stride   # MobileNet's TensorFlow padding: a remainder per strided convolution
+    else:
+        return {}
+    out: dict[str, int] = {}
+    value = inputs.get("pixel_values")
+    try:
+        spec = make_spec("pixel_values", value) if value is not None else None
+    except Exception:  # noqa: BLE001 - the tracer reports malformed inputs itself
+        return {}
+    if isinstance(spec, TensorSpec) and len(spec.shape) == 4:
+        out.update({d: step for d in spec.shape[2:] if isinstance(d, str)})
+    return out
+
 @contextlib.contextmanager
 def eager_like():
     """Make Hugging Face's mask code take the path a real eager run takes, for the run only.

@@ -20,7 +20,8 @@ bounds (``lo <= x <= hi``, both included; one value is its own bounds):
   ``torch.where`` (the branch a known condition takes, else both branches' bounds), ``F.pad``
   with a constant (its bounds widened to it), a sum with a number;
 - a range of indices (``arange`` from 0 or more): at least its start (Hugging Face's
-  bidirectional masks ask ``q_idx >= 0``);
+  bidirectional masks ask ``q_idx >= 0``); the max of a view holding every element of
+  ``arange(n)`` is n - 1, its min 0 (Reformer reads ``position_ids.max().item()``);
 - sizes combined into a 0-dim tensor (``torch.div(n, k, rounding_mode="trunc") - 1``:
   Longformer counts its chunks so): the size, which ``.item()`` gives back;
 - a check that a healthy step's activations are finite: ``isfinite`` gives ones, ``isnan`` and
@@ -47,7 +48,7 @@ import weakref
 
 import torch
 
-from .known_data import _ROUTING, _SUMS, SMALL, Contents, Counts, Routes
+from .known_data import _EXTREMES, _ROUTING, _SUMS, SMALL, Contents, Counts, Routes
 
 aten = torch.ops.aten
 _INF = float("inf")
@@ -276,6 +277,8 @@ class _Known(Contents, Counts, Routes):
         if func in _ROUTING and self._route(func, args, kwargs, out):
             return
         if func in _SUMS and self._count(func, args, kwargs, out):
+            return
+        if func in _EXTREMES and self._whole_range(func, args, out):
             return
         k = _kind(func)
         if k == _KEEP and self.counts and args and isinstance(args[0], torch.Tensor):

@@ -21,6 +21,8 @@ aten = torch.ops.aten
 SMALL = 4096
 # sums: of 0/1 values they make counts (of true elements), whose most is a size
 _SUMS = frozenset({aten.sum.default, aten.sum.dim_IntList})
+# whole reductions whose value a whole range decides (:meth:`Counts._whole_range`)
+_EXTREMES = frozenset({aten.max.default, aten.min.default})
 # the ops of a mixture of experts' routing (known._route)
 _ROUTING = _SUMS | {aten.topk.default, aten.scatter_.value, aten.scatter.value,
                     aten._to_copy.default, aten.gt.Scalar, aten.ne.Scalar}
@@ -112,6 +114,21 @@ class Contents:
 
 class Counts:
     """Counts of true elements (the tracker's ``counts``, ``exactly`` and ``upto``)."""
+
+    def _whole_range(self, func, args, out) -> bool:
+        """The max (min) of a view that holds every element of ``arange(n)`` (its last
+        dimension the whole range, in order, broadcast over the others: Reformer's position
+        ids, expanded over the batch): n - 1 (0). Whether it was such a view."""
+        t = args[0] if args else None
+        if not (self.upto and isinstance(t, torch.Tensor) and isinstance(out, torch.Tensor)):
+            return False
+        end = self.upto.get(t.untyped_storage())
+        if type(end) is not int or end < 1 or t.dim() == 0 or type(t.shape[-1]) is not int:
+            return False
+        if not (t.shape[-1] == end and t.stride()[-1] == 1 and t.storage_offset() == 0):
+            return False
+        self.mark(out, end - 1 if func is aten.max.default else 0)
+        return True
 
     def _count(self, func, args, kwargs, out) -> bool:
         """A sum of 0/1 values (a boolean mask, or values known to lie in [0, 1]), or of such

@@ -6,7 +6,7 @@ the recording (the recorder, the module stack, the model's own autocast and warn
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -32,6 +32,7 @@ class SymbolTable:
 
     raw: dict[str, sympy.Symbol]
     hints: dict[str, int]
+    steps: dict[str, int] = field(default_factory=dict)   # the run's symbol counts steps
 
 
 def enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, config, hints,
@@ -62,14 +63,17 @@ def enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, con
     if transform is not None:
         transform(model)
     return make_inputs(specs, recorder.shape_env, hints,
-                       driver.device if driver is not None else "cpu", low)
+                       driver.device if driver is not None else "cpu", low, config.multiples)
 
 
 def make_inputs(specs: list[TensorSpec], shape_env: ShapeEnv, hints: dict[str, int],
-                device: str, float_dtype: torch.dtype | None = None
+                device: str, float_dtype: torch.dtype | None = None,
+                multiples: dict[str, int] | None = None
                 ) -> tuple[dict[str, torch.Tensor], SymbolTable]:
     """Create fake input tensors with one ShapeEnv symbol per user symbol name (floating
-    inputs in ``float_dtype`` when given, as Lightning's ``*-true`` precisions convert them)."""
+    inputs in ``float_dtype`` when given, as Lightning's ``*-true`` precisions convert them).
+    A symbol with a step in ``multiples`` is that step times the run's symbol (its number of
+    steps): the model's padding to whole steps is then zero for the run, not a remainder."""
     from torch._dynamo.source import ConstantSource
 
     raw: dict[str, sympy.Symbol] = {}
@@ -79,9 +83,13 @@ def make_inputs(specs: list[TensorSpec], shape_env: ShapeEnv, hints: dict[str, i
             if name in symints:
                 continue
             src = ConstantSource(f"memsim_{name}")
-            expr = shape_env.create_symbol(hints[name], src, dynamic_dim=DimDynamic.DYNAMIC)
+            step = (multiples or {}).get(name, 1)
+            hint = hints[name] // step
+            expr = shape_env.create_symbol(hint, src, dynamic_dim=DimDynamic.DYNAMIC)
             raw[name] = expr
-            symints[name] = shape_env.create_symintnode(expr, hint=hints[name], source=src)
+            symints[name] = shape_env.create_symintnode(expr, hint=hint, source=src)
+            if step > 1:
+                symints[name] = symints[name] * step
     tensors = {}
     for spec in specs:
         shape = [symints[d] if isinstance(d, str) else d for d in spec.shape]
@@ -89,7 +97,7 @@ def make_inputs(specs: list[TensorSpec], shape_env: ShapeEnv, hints: dict[str, i
         tensors[spec.name] = torch.empty(shape, dtype=dt, device=device)
         if spec.fill == "ones":
             known.mark(tensors[spec.name])
-    return tensors, SymbolTable(raw, dict(hints))
+    return tensors, SymbolTable(raw, dict(hints), dict(multiples or {}))
 
 
 @contextlib.contextmanager

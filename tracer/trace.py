@@ -20,18 +20,14 @@ from .config import StepConfig
 from .driver import Driver
 from . import branching, fold, fold_stack
 from .fork import abandon, forked, joined
+from .divisions import exact
+from .example_sizes import example_sizes, larger_sizes
 from .errors import (DataDependentError, InputError, MemsimError, SpecializationError,
                      TraceError, UnsupportedOpError)
 from .previous import add_previous_step
 from .records import Category, LeafRecord, Phase, RunRecord, Storage
-from .spec import TensorSpec, is_tensor_spec, make_spec, symbol
+from .spec import is_tensor_spec, make_spec, symbol
 from .step import run_step
-
-# Example sizes for the symbolic run: distinct, >= 2 (0 and 1 specialize), and primes so that
-# they rarely equal a constant size of the model (which would tie the symbol to it).
-_DEFAULT_HINTS = (5, 7, 11, 13, 17, 19, 23, 29)
-# when a model fails at those, one more try (see _larger_sizes)
-_RETRY_HINTS = (521, 523, 541, 547, 557, 563, 569, 571)
 
 
 @dataclass
@@ -64,6 +60,9 @@ class Trace:
     folded : Folding or None
         How a stack of repeated blocks was folded (:mod:`memsim.tracer.fold`), or why it was
         traced whole after all; None where the model has no stack worth folding.
+    multiples : dict of str to int
+        The symbols traced at multiples of a step (``StepConfig.multiples``): the formulas
+        hold where each is a multiple of its step (:meth:`step_conditions`).
     """
 
     run: RunRecord
@@ -76,6 +75,11 @@ class Trace:
     conditions: list = field(default_factory=list)
     limits: dict[str, int] = field(default_factory=dict)
     folded: "Folding | None" = None
+    multiples: dict[str, int] = field(default_factory=dict)
+
+    def step_conditions(self) -> list:
+        """``Eq(Mod(H, 32), 0)`` for each symbol traced at multiples of a step."""
+        return [sympy.Eq(sympy.Mod(self.symbols[n], k), 0) for n, k in self.multiples.items()]
 
     def fx_graph(self) -> torch.fx.Graph:
         from .graph import to_fx
@@ -85,27 +89,6 @@ class Trace:
         """The run as a ``networkx.DiGraph`` (see :func:`memsim.tracer.graph.to_networkx`)."""
         from .graph import to_networkx
         return to_networkx(self.run)
-
-
-def example_sizes(specs: list[TensorSpec], given: dict[str, int] | None) -> dict[str, int]:
-    """The example size of each symbol: ``given`` (validated), else distinct small primes."""
-    given = dict(given or {})
-    names = list(dict.fromkeys(n for s in specs for n in s.symbols))
-    for n, v in given.items():
-        if n not in names:
-            raise InputError(f"example size given for {n!r}, which no input uses",
-                             hint=f"symbols: {', '.join(names) or '(none)'}")
-        if not isinstance(v, int) or v < 2:
-            raise InputError(f"example size {n}={v!r} must be an int >= 2",
-                             hint="0 and 1 make PyTorch specialize the size")
-    pool = [h for h in _DEFAULT_HINTS if h not in given.values()]
-    out = {}
-    for n in names:
-        out[n] = given[n] if n in given else pool.pop(0)
-    if len(set(out.values())) != len(out):
-        raise InputError(f"example sizes must be distinct, got {out}",
-                         hint="equal example sizes merge two symbols into one")
-    return out
 
 
 def _pretty_bound(v) -> int | None:
@@ -119,7 +102,7 @@ def _pretty_bound(v) -> int | None:
 
 def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None, *,
           train: bool = True, transform: Callable | None = None, driver: Driver | None = None,
-          patches: Callable | None = None, **options) -> Trace:
+          patches: Callable | None = None, sizes=(), **options) -> Trace:
     """Run ``model`` symbolically and return its :class:`Trace`.
 
     Parameters
@@ -141,6 +124,9 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
     patches : callable, optional
         A context-manager factory entered for the run, given the run's model (Hugging Face's
         scoped patches).
+    sizes : list of dict, optional
+        Points the user asks for (``[{"B": 2, "S": 64}]``): where the model fails at the
+        example sizes, these are the first other example sizes tried (:func:`memsim.tracer.example_sizes.larger_sizes`).
     **options
         Fields of :class:`StepConfig` (``device="cpu"``...), applied over ``config``.
     """
@@ -153,7 +139,7 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
             specs.append(make_spec(name, value))
         else:
             constants[name] = value
-    hint_map = example_sizes(specs, config.hints)
+    hint_map = example_sizes(specs, config.hints, config.multiples)
     # a strategy's transform says which modules it treats one by one; a library's loop
     # (DeepSpeed's engine) fills buckets across blocks: not folded
     touched = () if transform is None else getattr(transform, "paths", None)
@@ -183,11 +169,11 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
         if not getattr(e, "sizes", None):  # not the model's own failure at the sizes
             raise
         tried = []
-        for larger in _larger_sizes(hint_map, config.hints):
+        for larger in larger_sizes(hint_map, config, sizes, e.message):
             sizes = ", ".join(f"{k}={v}" for k, v in larger.items())
             try:
                 return run(larger)
-            except (DataDependentError, UnsupportedOpError) as later:
+            except (DataDependentError, UnsupportedOpError, SpecializationError) as later:
                 # past the small sizes, the model stops on something else: that is the answer
                 MemsimError.__init__(later, later.message, hint=(later.hint or "") + (
                     f" (at the example sizes {sizes}; at the first ones the model failed "
@@ -201,21 +187,6 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
             f" (memsim tried the larger example sizes {'; '.join(tried)} too, and they "
             "failed)"))
         raise e from e.__cause__
-
-
-def _larger_sizes(hints: dict[str, int], given: dict | None) -> list[dict[str, int]]:
-    """Larger example sizes to trace with when the model failed at the small ones (a 1-D
-    convolution over raw audio needs hundreds of samples: wav2vec2's feature extractor 400):
-    each symbol the user did not size made larger alone, the last first (a sequence, after the
-    batch), then all of them; none when the user sized every symbol."""
-    given = given or {}
-    free = [n for n in hints if n not in given]
-    pool = [h for h in _RETRY_HINTS if h not in hints.values()]
-    larger = {n: pool[i] for i, n in enumerate(free)}
-    out = [dict(hints, **{n: larger[n]}) for n in reversed(free)]
-    if len(free) > 1:
-        out.append(dict(hints, **larger))
-    return out
 
 
 @dataclass(frozen=True)
@@ -311,21 +282,23 @@ def _traced(model, specs, constants, config, hint_map, *, train, transform, driv
                                      train=train, transform=transform, driver=driver,
                                      patches=patches)
     user = {n: symbol(n) for n in table.raw}
-    to_user = {raw: user[n] for n, raw in table.raw.items()}
+    # a stepped symbol's run symbol counts its steps
+    to_user = {raw: user[n] / table.steps.get(n, 1) for n, raw in table.raw.items()}
     ranges, guards, conditions = _validity(shape_env, table, to_user, config.limits,
                                            run.specialized)
     cache: dict = {}
+    lower = _lower_bounds(shape_env, table)
 
     def to_user_expr(e: sympy.Expr) -> sympy.Expr:
         if e not in cache:
-            cache[e] = _in_range(sympy.expand(shape_env.replace(e).xreplace(to_user)), user,
-                                 ranges)
+            cache[e] = _in_range(sympy.expand(
+                exact(shape_env.replace(e), lower).xreplace(to_user)), user, ranges)
         return cache[e]
 
     run = _in_user_symbols(run, to_user_expr)
     _classify(run)
     return Trace(run, user, hint_map, config.device, train, ranges, guards, conditions,
-                 dict(config.limits))
+                 dict(config.limits), multiples=dict(table.steps))
 
 
 def _in_user_symbols(run: RunRecord, fn) -> RunRecord:
@@ -401,7 +374,7 @@ def _validity(shape_env, table, to_user, limits, specialized=()):
             raise SpecializationError(
                 f"the model's code ties symbol {name} to {rep.xreplace(to_user)} "
                 f"(example size {table.hints[name]})", symbol=name, source=where, op=op,
-                module=module,
+                module=module, example=table.hints[name],
                 hint=f"give {name} as a fixed integer, or a different example size "
                      f"(--hint {name}=N, Python hints={{'{name}': N}}) if it only matched a "
                      "constant by chance")
@@ -410,17 +383,30 @@ def _validity(shape_env, table, to_user, limits, specialized=()):
         vr = shape_env.var_to_range.get(raw)
         lo = _pretty_bound(vr.lower) if vr is not None else 2
         hi = _pretty_bound(vr.upper) if vr is not None else None
+        step = table.steps.get(name, 1)
+        lo, hi = (lo if lo is None else lo * step), (hi if hi is None else hi * step)
         if name in limits:
             hi = limits[name] if hi is None else min(hi, limits[name])
         ranges[name] = (lo if lo is not None else 2, hi)
     conditions = []
+    lower = _lower_bounds(shape_env, table)
     for g in shape_env.guards:
-        e = g.expr.xreplace(to_user)
+        e = exact(g.expr, lower).xreplace(to_user)
         if e is sympy.true or (len(e.free_symbols) == 1 and is_bound(e)):
             continue  # single-symbol bounds are already in var_to_range
         conditions.append(e)
     conditions = list(dict.fromkeys(conditions))
     return ranges, [str(c) for c in conditions], conditions
+
+
+def _lower_bounds(shape_env, table) -> dict:
+    """Each run symbol's least size (2 where the run knows none)."""
+    out = {}
+    for raw in table.raw.values():
+        vr = shape_env.var_to_range.get(raw)
+        lo = _pretty_bound(vr.lower) if vr is not None else None
+        out[raw] = lo if lo is not None else 2
+    return out
 
 
 def is_bound(rel) -> bool:

@@ -136,3 +136,87 @@ def jetmoe_forced(spread: bool = False):
         if name.endswith("router.layer"):
             m.register_forward_hook(forced_logits_hook(spread))
     return model
+
+
+# families of issue 43's pass that benchmarks/models.py runs beside the ones above
+def bigbird():
+    """Block-sparse attention over blocks of 8 with one random block: too short a sequence
+    (S <= (5 + 2 x 1) x 8 = 56) switches the model to full attention, for good."""
+    return T.BigBirdForMaskedLM(T.BigBirdConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=100, max_position_embeddings=256, block_size=8, num_random_blocks=1,
+        attention_type="block_sparse"))
+
+
+def pegasus(positions: int = 40):
+    return T.PegasusForConditionalGeneration(T.PegasusConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+        max_position_embeddings=positions, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0, bos_token_id=0))
+
+
+def funnel():
+    """Funnel's pooling: its relative positions are ``torch.arange`` of S (S pinned)."""
+    return T.FunnelForMaskedLM(T.FunnelConfig(
+        vocab_size=100, block_sizes=[1, 1], d_model=32, n_head=4, d_head=8, d_inner=64,
+        num_decoder_layers=1, max_position_embeddings=128))
+
+
+def rwkv():
+    """RWKV's WKV recurrence in Python (no CUDA kernel on the CPU): a loop over S."""
+    return T.RwkvForCausalLM(T.RwkvConfig(
+        vocab_size=100, context_length=128, hidden_size=32, num_hidden_layers=2,
+        attention_hidden_size=32, intermediate_size=64))
+
+
+def clip():
+    """CLIP's contrastive loss: ``arange(len(logits))`` pins B."""
+    return T.CLIPModel(T.CLIPConfig(
+        text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=32),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, image_size=32, patch_size=8),
+        projection_dim=16))
+
+
+def mobilenet_v2():
+    return T.MobileNetV2ForImageClassification(T.MobileNetV2Config(
+        depth_multiplier=0.25, image_size=32, num_labels=10))
+
+
+def swin():
+    """Patches of 4, windows of 4: the image is padded to whole patches and windows."""
+    return T.SwinForImageClassification(T.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=4, num_labels=10))
+
+
+def reformer():
+    """Local and LSH attention over chunks of 8, axial positions 8 x 8: training takes exactly
+    64 tokens."""
+    return T.ReformerModelWithLMHead(T.ReformerConfig(
+        vocab_size=100, hidden_size=32, attention_head_size=8, num_attention_heads=4,
+        feed_forward_size=64, attn_layers=["local", "lsh"], axial_pos_shape=[8, 8],
+        axial_pos_embds_dim=[16, 16], max_position_embeddings=64, local_attn_chunk_length=8,
+        lsh_attn_chunk_length=8, num_buckets=4, is_decoder=True, pad_token_id=0,
+        eos_token_id=1))
+
+
+def dbrx():
+    """DBRX's eager expert loop (clip_qkv set)."""
+    config = T.DbrxConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=100,
+                          attn_config=dict(kv_n_heads=2, clip_qkv=8.0),
+                          ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2))
+    # transformers reads the rope base from the attention config, which does not hold it
+    config.attn_config.rope_theta = config.rope_parameters["rope_theta"]
+    return T.DbrxForCausalLM(config)
+
+
+def dbrx_forced(spread: bool = False):
+    """:func:`dbrx` whose routers' logits are forced (:func:`forced_logits_hook`)."""
+    model = dbrx()
+    for name, m in model.named_modules():
+        if name.endswith("router.layer"):
+            m.register_forward_hook(forced_logits_hook(spread))
+    return model

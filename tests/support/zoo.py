@@ -178,11 +178,12 @@ class GRULM(nn.Module):
     """A two-layer GRU language model: PyTorch's RNN kernels read concrete sizes (the batch and
     the time steps are pinned)."""
 
-    def __init__(self, vocab: int = 100, d: int = 32, hidden: int = 64):
+    def __init__(self, vocab: int = 100, d: int = 32, hidden: int = 64,
+                 bidirectional: bool = False):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.rnn = nn.GRU(d, hidden, num_layers=2, batch_first=True)
-        self.head = nn.Linear(hidden, vocab)
+        self.rnn = nn.GRU(d, hidden, num_layers=2, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(hidden * (2 if bidirectional else 1), vocab)
 
     def forward(self, x):
         return self.head(self.rnn(self.emb(x))[0])
@@ -637,3 +638,87 @@ class TorchTransformer(nn.Module):
     def forward(self, src, tgt, src_key_padding_mask):
         causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
         return self.t(src, tgt, src_key_padding_mask=src_key_padding_mask, tgt_mask=causal)
+
+
+class GroupNormBlock(nn.Module):
+    """conv 3x3, GroupNorm, SiLU."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm = nn.GroupNorm(4, cout)
+
+    def forward(self, x):
+        return F.silu(self.norm(self.conv(x)))
+
+
+class GroupNormUNet(nn.Module):
+    """Three levels (c, 2c, 4c channels): max-pool down, nearest x2 up and a 1x1 convolution,
+    the skip concatenated, an MSE loss against ``y`` returned as the output."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.e1, self.e2 = GroupNormBlock(3, c), GroupNormBlock(c, 2 * c)
+        self.mid = GroupNormBlock(2 * c, 4 * c)
+        self.up2, self.d2 = nn.Conv2d(4 * c, 2 * c, 1), GroupNormBlock(4 * c, 2 * c)
+        self.up1, self.d1 = nn.Conv2d(2 * c, c, 1), GroupNormBlock(2 * c, c)
+        self.out = nn.Conv2d(c, 3, 1)
+
+    def forward(self, x, y):
+        h1 = self.e1(x)
+        h2 = self.e2(F.max_pool2d(h1, 2))
+        m = self.mid(F.max_pool2d(h2, 2))
+        u2 = self.d2(torch.cat([self.up2(F.interpolate(m, scale_factor=2)), h2], 1))
+        u1 = self.d1(torch.cat([self.up1(F.interpolate(u2, scale_factor=2)), h1], 1))
+        return F.mse_loss(self.out(u1), y)
+
+
+class PadToWindows(nn.Module):
+    """A convolution, then the feature map padded to whole 4 x 4 windows as a windowed
+    attention pads it (``(-h) % 4`` rows and columns: a remainder of the image size), the
+    windows' contents mixed by a linear layer and the padding cropped."""
+
+    def __init__(self, c: int = 4, window: int = 4):
+        super().__init__()
+        self.window = window
+        self.conv = nn.Conv2d(3, c, 3, stride=2, padding=1)
+        self.mix = nn.Linear(window * window, window * window)
+
+    def forward(self, x):
+        y = self.conv(x)
+        b, c, h, w = y.shape
+        k = self.window
+        y = F.pad(y, (0, (-w) % k, 0, (-h) % k))
+        hp, wp = y.shape[-2:]
+        win = y.view(b, c, hp // k, k, wp // k, k).permute(0, 1, 2, 4, 3, 5)
+        win = self.mix(win.reshape(b, c, hp // k, wp // k, k * k)).relu()
+        out = win.view(b, c, hp // k, wp // k, k, k).permute(0, 1, 2, 4, 3, 5)
+        return out.reshape(b, c, hp, wp)[..., :h, :w].square().mean()
+
+
+class WholeTens(nn.Module):
+    """A model that takes sequences of whole tens only and says so without naming a size (its
+    own check, as a model with a chunked layout has)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        if x.shape[1] % 10:
+            raise ValueError("the sequence must be whole chunks")
+        b, s, d = x.shape
+        return self.proj(x).view(b, s // 10, 10, d).softmax(2).square().sum()
+
+
+class Quarters(nn.Module):
+    """A view into quarters of the sequence: PyTorch's error at a size that is no multiple of
+    4 names the sizes (``shape '[5, 1, 4, 8]' is invalid for input of size 280``)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        return self.proj(x).view(b, s // 4, 4, d).relu().square().sum()
