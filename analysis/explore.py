@@ -93,14 +93,35 @@ class Retracer:
         started = 0
         for point in points or ():
             fixed = {n: v for n, v in point.items() if n in names and v == 1}
-            key = ("fixed",) + tuple(sorted(fixed.items()))
-            if not fixed or key in self.cache:
-                continue
-            child = forked(lambda f=fixed: _portable(self._fixed(f, already)))
-            if child is not None:
-                self.cache[key] = _Beside(child)
-                started += 1
+            if fixed:
+                started += self.ahead(fixed, already)
         return started
+
+    def ahead(self, fixed: Mapping[str, int], already: Mapping[str, int] | None = None) -> bool:
+        """Start tracing the analysis with ``fixed`` in a forked process beside the caller's
+        own trace (a fit's next size while this process traces the one before it); a later
+        call with ``fixed`` takes the child's report. Whether it started (not where it is
+        cached or started already, or no process can be forked: then it is traced when
+        asked)."""
+        key = ("fixed",) + tuple(sorted(fixed.items()))
+        if key in self.cache:
+            return False
+        child = forked(lambda f=dict(fixed): _portable(self._fixed(f, already)))
+        if child is None:
+            return False
+        self.cache[key] = _Beside(child)
+        return True
+
+    def traced_ahead(self, fixed: Mapping[str, int]) -> bool:
+        """Whether ``fixed`` is being traced in a child (:meth:`ahead`), not yet joined."""
+        return isinstance(self.cache.get(("fixed",) + tuple(sorted(fixed.items()))), _Beside)
+
+    def cancel_ahead(self) -> None:
+        """Stop the children tracing ahead whose reports nobody took (:meth:`ahead`)."""
+        for key, got in list(self.cache.items()):
+            if isinstance(got, _Beside):
+                got.cancel()
+                del self.cache[key]
 
 
 def _portable(report: "Report") -> bytes:
@@ -137,6 +158,11 @@ class _Beside:
 
         self._child = child
         self._done = weakref.finalize(self, abandon, child)
+
+    def cancel(self) -> None:
+        """Stop the child now (its report is not wanted: a fit that held before the size it
+        traced ahead), freeing its CPU."""
+        self._done()
 
     def join(self, retracer: "Retracer"):
         """The child's report, or None (it failed: the caller traces it in-process and gets

@@ -176,7 +176,10 @@ class FittedReport(Report):
         if x in self.fit.reports:
             return _figures(self.fit.reports[x], rest)
         lo, hi = self.ranges[name]
-        if 1 <= x < lo:  # below the fit (another piece of the step's memory): traced
+        step = self.config.multiples.get(name, 1)
+        if 1 <= x < lo or x % step:
+            # below the fit (another piece of the step's memory), or off the step the fit's
+            # sizes were traced at (the model pads there): traced
             return _figures(self.traced(x), rest)
         if x < 1 or (hi is not None and x > hi):
             raise OutOfRangeError(
@@ -272,14 +275,15 @@ def example(report: Report) -> dict[str, int]:
 MULTIPLES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
-def fit_windows(hint: int, taken, limit: int | None):
+def fit_windows(hint: int, taken, limit: int | None, step: int = 1):
     """Each candidate fit in turn: ``DEGREE + 1`` consecutive sizes of ``hint * MULTIPLES``
-    (past other symbols' example sizes, within the model's limit), then the next to check."""
+    (past other symbols' example sizes, on the symbol's step, within the model's limit),
+    then the next to check."""
     sizes = []
     for m in MULTIPLES:
         v = hint * m
         while v in taken:
-            v += 1
+            v += step
         if limit is not None and v > limit:
             break
         sizes.append(v)
@@ -314,9 +318,28 @@ def fitted(analyze, model, inputs, config, error: SpecializationError, hint: int
     cuda = config.device == "cuda"
     if cuda:
         hint = 8
-    for sizes, check in fit_windows(hint, set(taken), config.limits.get(name)):
+    windows = list(fit_windows(hint, set(taken), config.limits.get(name),
+                               config.multiples.get(name, 1)))
+    # every size the windows may trace, in order: the next one not traced yet is traced in a
+    # forked process beside this one's trace (two CPUs or more), across windows too (a window
+    # that misses needs one more size); one that no window needs in the end is stopped
+    order = list(dict.fromkeys(s for sizes, check in windows for s in (*sizes, check)))
+    for sizes, check in windows:
         fit = Fit(name, sizes, check, where or error.message, traced_only=cuda)
-        for s in (*sizes, check):
+        window = (*sizes, check)
+        for s in window:
+            if retracer.traced_ahead({name: s}):
+                # a child traces s: meanwhile this process traces the window's next size
+                here = next((x for x in window[window.index(s) + 1:]
+                             if ("fixed", (name, x)) not in retracer.cache), None)
+                if here is not None:
+                    retracer({name: here}, already)
+            elif ("fixed", (name, s)) not in retracer.cache:
+                # this process traces s: meanwhile a child traces the next size of any window
+                ahead = next((x for x in order[order.index(s) + 1:]
+                              if ("fixed", (name, x)) not in retracer.cache), None)
+                if ahead is not None:
+                    retracer.ahead({name: ahead}, already)
             fit.reports[s] = retracer({name: s}, already)  # cached across windows
         if explore and not isinstance(fit.reports[sizes[0]], FittedReport):
             # the other symbols followed past guards of the code path, as a plain report's
@@ -332,6 +355,7 @@ def fitted(analyze, model, inputs, config, error: SpecializationError, hint: int
         if not report.holds(**at):
             misses.append(f"{name}={', '.join(map(str, sizes))}: misses {name}={check}")
             continue
+        retracer.cancel_ahead()
         return report
     limit = config.limits.get(name)
     why = ("; no fit in it held either (" + "; ".join(misses) + ")" if misses else

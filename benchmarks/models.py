@@ -58,6 +58,25 @@ class _UNetLoss(torch.nn.Module):
         return self.unet(sample, timestep, encoder_hidden_states).sample.float().pow(2).mean()
 
 
+def _diffusers_vae():
+    from diffusers import AutoencoderKL
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4,
+                         down_block_types=("DownEncoderBlock2D",) * 2,
+                         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
+                         layers_per_block=1, norm_num_groups=8, sample_size=16)
+
+
+class _VAELoss(torch.nn.Module):
+    """A diffusers VAE's reconstruction loss (the posterior's mode: no sampling)."""
+
+    def __init__(self):
+        super().__init__()
+        self.vae = _diffusers_vae()
+
+    def forward(self, sample):
+        return (self.vae(sample).sample - sample).pow(2).mean()
+
+
 def _sgd(ps):
     return torch.optim.SGD(ps, lr=1e-3)
 
@@ -210,6 +229,19 @@ MODELS = {
              {"input_ids": ("int64", ["B", "S"]), "pixel_values": ("float32", ["B", 3, 32, 32]),
               "return_loss": True},
              [{"B": 2, "S": 9}, {"B": 5, "S": 20}]),
+    "gpt-neo": ("GPT-Neo, global and local attention (transformers)", hf.gpt_neo, LM,
+                [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "lora": ("Llama with peft's LoRA (get_peft_model)", hf.llama_lora, LM,
+             [{"B": 2, "S": 9}, {"B": 3, "S": 40}]),
+    "vae": ("AutoencoderKL (diffusers)", _VAELoss, {"sample": ("float32", ["B", 3, "H", "H"])},
+            [{"B": 2, "H": 16}, {"B": 3, "H": 24}]),
+    "message-passing": ("message passing, index_add and scatter_add in N and E",
+                        zoo.MessagePassing, {"x": ("float32", ["N", 16]),
+                                             "src": ("int64", ["E"]), "dst": ("int64", ["E"])},
+                        [{"N": 9, "E": 20}, {"N": 30, "E": 100}]),
+    "masked": ("x[x > 0], masked_select, torch.where(mask)", zoo.MaskedSum,
+               {"x": ("float32", ["B", 16])}, [{"B": 3}, {"B": 8}],
+               dict(inputs=lambda pt, x: dict(x, x=x["x"].abs() + 0.1))),
     "bigru": ("bidirectional GRU LM (nn.GRU)", lambda: zoo.GRULM(bidirectional=True),
               {"x": ("int64", ["B", "S"])}, [{"B": 3, "S": 40}, {"B": 25, "S": 60}]),
 }

@@ -470,6 +470,18 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_example_sizes.py::test_reformer_at_its_fixed_length",),
              "the largest id of an expanded arange read as unknown (Reformer's inference refused)"),
 
+    Mutation("fit-sizes-one-at-a-time", "analysis/fitted.py",
+             "                    retracer.ahead({name: ahead}, already)",
+             "                    pass",
+             ("tests/test_fit.py::test_a_fits_sizes_are_traced_two_at_a_time",),
+             "a fit's next size not traced beside the one before it"),
+
+    Mutation("fit-answers-off-the-step", "analysis/fitted.py",
+             "        if 1 <= x < lo or x % step:",
+             "        if 1 <= x < lo:",
+             ("tests/test_vision_sizes.py::test_mobilenet_v2_is_fitted_at_multiples_of_its_output_stride",),
+             "a fitted stepped symbol answered from the fit at a size off its step"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

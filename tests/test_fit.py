@@ -9,6 +9,7 @@ import torch
 
 from memsim.analysis.fitted import FittedReport, fit_windows
 
+from tests.conftest import HOST_SKIP
 from tests.support import zoo
 from tests.support.oracles.measure import (example_inputs, materialize, measure_inference,
                                            measure_train)
@@ -61,6 +62,30 @@ def test_python_loop_over_time_is_fitted_and_equals_real_runs():
     assert report.formula("train", "peak").free_symbols == {report.symbols["B"],
                                                              report.symbols["S"]}
     assert view.train.peak == report.formula("train", "peak")
+
+
+def test_a_fits_sizes_are_traced_two_at_a_time(monkeypatch):
+    """Each of a fit's next sizes is traced in a forked child beside the parent's trace of the
+    one before it (two CPUs or more): children start, and the fit, its sizes and formulas are
+    those traced one after the other (``MEMSIM_PARALLEL=0``)."""
+    from memsim.analysis.explore import Retracer
+    from memsim.tracer import fork
+    monkeypatch.setenv("MEMSIM_PARALLEL", "1")   # the suite turns it off (tests/conftest.py)
+    if not fork.parallel():
+        pytest.skip(f"{HOST_SKIP}: fewer than two CPUs, no child is forked")
+    started = []
+    ahead = Retracer.ahead
+    monkeypatch.setattr(Retracer, "ahead", lambda self, *a: started.append(ahead(self, *a)))
+    inputs = {"x": ("float32", ["B", "S", 8])}
+    pairs = predict(zoo.Scan, inputs)
+    assert any(started), started
+    monkeypatch.setenv("MEMSIM_PARALLEL", "0")
+    started.clear()
+    alone = predict(zoo.Scan, inputs)
+    assert not any(started)
+    assert (pairs.fit.sizes, pairs.fit.check) == (alone.fit.sizes, alone.fit.check)
+    for step in ("train", "inference"):
+        assert pairs.formula(step, "peak") == alone.formula(step, "peak")
 
 
 def test_fit_windows_move_past_a_piece_and_other_example_sizes():

@@ -126,7 +126,7 @@ def test_step_options_come_from_the_fields():
     flags = [opt.flag for _, opt, _ in StepConfig.cli_options()]
     assert {"--device", "--precision", "--optimizer", "--drop-outputs", "--accumulate",
             "--compiled", "--hint", "--no-fold", "--cpu-isa", "--data-dependent",
-            "--assume"} == set(flags)
+            "--assume", "--multiple-of"} == set(flags)
     args = parser().parse_args(["analyze"] + MLP + ["--drop-outputs", "--no-fold",
                                                       "--hint", "B=3"])
     cfg = StepConfig(**StepConfig.from_options(args))
@@ -136,5 +136,6 @@ def test_step_options_come_from_the_fields():
         other = {"device": "cpu", "cpu_isa": "avx2", "precision": "bf16-mixed",
                  "optimizer": "sgd", "loss_fn": len, "loop": "dropped", "accumulate": 2,
                  "compiled": True, "hints": {"B": 3}, "limits": {"S": 9}, "fold": False,
-                 "data_dependent": "0.5", "assume": {"m.py:3": False}}[f.name]
+                 "data_dependent": "0.5", "assume": {"m.py:3": False},
+                 "multiples": {"H": 32}}[f.name]
         assert hash(base_cfg.replace(**{f.name: other})) != hash(base_cfg), f.name

@@ -39,3 +39,23 @@ def test_swin_is_traced_at_multiples_of_its_step():
     assert sympy.Eq(sympy.Mod(report.symbols["H"], 32), 0) in report.train.violated(
         {"B": 2, "H": 48})
     check(report, hf.swin, inputs, [{"B": 2, "H": 64}, {"B": 3, "H": 96}, {"B": 2, "H": 48}])
+
+
+@pytest.mark.heavy
+def test_mobilenet_v2_is_fitted_at_multiples_of_its_output_stride():
+    """MobileNetV2's TensorFlow padding reads the image size in Python (``int()``), pinning H;
+    at multiples of its output stride (32, from the config) each padding is the same, and the
+    fit in H holds: ``at`` equals real runs at H = 256 (from the fit), and at H = 240, off the
+    step, and 96, below the fit's sizes (both traced at that size)."""
+    inputs = {"pixel_values": ("float32", ["B", 3, "H", "H"]), "labels": ("int64", ["B"])}
+    report = predict(hf.mobilenet_v2, inputs, inference=False)
+    assert report.config.multiples == {"H": 32} and report.fit.symbol == "H"
+    assert all(s % 32 == 0 for s in (*report.fit.sizes, report.fit.check)), report.fit
+    import torch
+
+    from tests.support.oracles.measure import example_inputs, materialize, measure_train
+    for pt in ({"B": 2, "H": 256}, {"B": 2, "H": 240}, {"B": 3, "H": 96}):
+        torch.manual_seed(0)
+        real = measure_train(materialize(hf.mobilenet_v2()), example_inputs(inputs, pt))
+        assert report.at(**pt)["train"]["peak"] == real.peak, pt
+    assert 256 not in report.fit.reports and {240, 96} <= set(report.fit.reports)

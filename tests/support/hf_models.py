@@ -220,3 +220,19 @@ def dbrx_forced(spread: bool = False):
         if name.endswith("router.layer"):
             m.register_forward_hook(forced_logits_hook(spread))
     return model
+
+
+def gpt_neo():
+    """GPT-Neo: global and local (window 8) attention layers."""
+    return T.GPTNeoForCausalLM(T.GPTNeoConfig(
+        vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,
+        attention_types=[[["global", "local"], 1]], window_size=8,
+        max_position_embeddings=64, intermediate_size=64))
+
+
+def llama_lora():
+    """:func:`llama` wrapped by peft's ``get_peft_model`` (rank 4 on q_proj and v_proj): the
+    user's own LoRA model, analysed as it is."""
+    import peft
+    return peft.get_peft_model(llama(), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
