@@ -98,18 +98,31 @@ def _run(args) -> int:
     text = None
     if not fit and (not args.json or getattr(args, "html", None)):
         text = to_text(shown, spoint, top=args.top, budget=budget, full=report,
-                       full_point=point, seq=args.seq_symbol, batch=args.batch_symbol)
+                       full_point=point, seq=args.seq_symbol, batch=args.batch_symbol,
+                       model=args.target)
     if getattr(args, "html", None):
         write_html(args, report, point, setup, text, budget)
     if args.json:
-        print(json.dumps(to_json(shown, spoint, budget=budget, full=report), indent=2))
+        print(json.dumps(to_json(shown, spoint, budget=budget, full=report, model=args.target),
+                         indent=2))
     elif fit:
-        print(budget_text(budget, report.device))
+        print(_coloured(budget_text(budget, report.device), budget))
     else:
-        print(text)
+        print(_coloured(text, budget))
     if budget is not None and (fit or getattr(args, "check", False)) and not budget.fits:
         return 1
     return 0
+
+
+def _coloured(text: str, budget) -> str:
+    """``text`` with its first line (the verdict) green where the step fits and red where it
+    does not, on a terminal that takes colour (not ``NO_COLOR``, not a pipe)."""
+    if budget is None or not sys.stdout.isatty() or os.environ.get("NO_COLOR") \
+            or os.environ.get("TERM") == "dumb":
+        return text
+    first, _, rest = text.partition("\n")
+    colour = "32" if budget.fits else "31"
+    return f"\033[1;{colour}m{first}\033[0m" + ("\n" + rest if rest else "")
 
 
 def _analysis(args, fit: bool = False):

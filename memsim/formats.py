@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sympy
 
-__all__ = ["verdict", "largest", "human", "formula", "approx", "short", "wrapped", "amount",
+__all__ = ["verdict", "answer", "answer_line", "largest", "human", "formula", "approx", "short", "wrapped", "amount",
            "monomial", "figure_json", "at_cells", "flops_text", "value_at"]
 
 
@@ -22,6 +22,43 @@ def verdict(b) -> str:
     return (f"peak allocated {human(b.allocated)} ({b.allocated:,} B), reserved {reserved}, "
             f"total {human(b.total)}: {'FITS' if b.fits else 'DOES NOT FIT'}, headroom "
             f"{b.headroom:.1%}")
+
+
+def answer(report, b, point, model: str | None = None) -> dict:
+    """The answer first (the JSON's ``"verdict"``): whether the step fits, and what was
+    modelled: the model, the point, the strategy and degrees, the precision, per rank or per
+    device, the GPU and its usable memory, the total, the headroom, and the largest batch and
+    sequence that fit (None where not solved)."""
+    from .render import strategy_text
+    st = report.strategy or {}
+    ranks = st.get("world_size", 1)
+    return {"fits": b.fits, "model": model, "step": b.step, "at": dict(point or {}),
+            "strategy": strategy_text(st) if st else None,
+            "per": "rank" if ranks > 1 else "device", "precision": report.precision,
+            "gpu": b.gpu.name if b.gpu else None, "capacity": b.capacity,
+            "usable": int(b.capacity * (1 - b.margin)), "total": b.total,
+            "headroom": round(b.headroom, 6), "largest_batch": b.max_batch,
+            "largest_seq": b.max_seq}
+
+
+def answer_line(v: dict) -> str:
+    """:func:`answer` in one line, the verdict first: ``FITS: train step of gpt2.py:model at
+    B=8, S=1024, bf16-mixed, on one device: 14.20 GiB of NVIDIA A10's 20.24 GiB usable,
+    headroom 30.1%; largest batch that fits 12``."""
+    at = ", ".join(f"{k}={n}" for k, n in v["at"].items())
+    what = " ".join(p for p in (f"{v['step']} step", f"of {v['model']}" if v["model"] else "",
+                                f"at {at}" if at else "") if p)
+    how = v["strategy"] + ", per rank" if v["strategy"] and v["per"] == "rank" else \
+        v["strategy"] or "one device"
+    card = f"{v['gpu']}'s " if v["gpu"] else "the "
+    out = (f"{'FITS' if v['fits'] else 'DOES NOT FIT'}: {what}, {v['precision']}, {how}: "
+           f"{human(v['total'])} of {card}{human(v['usable'])} usable, headroom "
+           f"{v['headroom']:.1%}")
+    sizes = [f"largest {word} that fits "
+             f"{'none' if v[f'largest_{k}'] == 0 else v[f'largest_{k}']}"
+             for k, word in (("batch", "batch"), ("seq", "sequence"))
+             if v[f"largest_{k}"] is not None]
+    return out + ("; " + ", ".join(sizes) if sizes else "")
 
 
 def largest(b, which: str) -> str:

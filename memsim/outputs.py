@@ -31,9 +31,12 @@ def write_html(args, report, point, setup, text: str, budget) -> None:
         curves, caps = size_curves(args, [("", report, point)], setup)
         if curves:
             scaling = scaling_figure(curves, caps, args.margin)
+    from .formats import answer
     title = f"memsim: {args.target} at " + ", ".join(f"{k}={v}" for k, v in point.items())
+    verdict = answer(report, budget, {**report.fixed, **point}, args.target) \
+        if budget is not None else None
     with open(args.html, "w", encoding="utf-8") as f:
-        f.write(report_html(title, text, tl, scaling, budget))
+        f.write(report_html(title, text, tl, scaling, budget, verdict))
     print(f"memsim: report written to {args.html}", file=sys.stderr)
 
 

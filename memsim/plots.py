@@ -212,18 +212,31 @@ def _page(title: str, body: str) -> str:
 _CSS = ("body{font-family:sans-serif;margin:2em;max-width:1300px}"
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
         "padding:3px 8px}td.n{text-align:right}svg{max-width:100%;height:auto}"
-        "pre{background:#f6f6f6;padding:8px;overflow-x:auto}")
+        "pre{background:#f6f6f6;padding:8px;overflow-x:auto}"
+        ".verdict{font-size:1.15em;padding:.6em .8em;border-radius:6px}"
+        ".verdict .badge{font-weight:bold;color:#fff;padding:.15em .5em;border-radius:4px;"
+        "margin-right:.4em}.fits{background:#e8f5e9}.fits .badge{background:#2e7d32}"
+        ".nofit{background:#ffebee}.nofit .badge{background:#c62828}")
 
 
 # -- the whole report as one page -------------------------------------------------------------
 
-def report_html(title: str, text: str, tl=None, scaling=None, budget=None) -> str:
-    """One self-contained page (no external resource): the verdict, the timeline and the
-    memory-against-size pictures as inline SVG, what is live at the peak by module, and the
-    full text report (every table, the approximate and the exact formulas, the notes)."""
+def report_html(title: str, text: str, tl=None, scaling=None, budget=None,
+                answer: dict | None = None) -> str:
+    """One self-contained page (no external resource): the verdict (``answer``:
+    :func:`memsim.formats.answer`, a green or red badge and the line that says what was
+    modelled), the timeline and the memory-against-size pictures as inline SVG, what is live
+    at the peak by module, and the full text report (every table, the approximate and the
+    exact formulas, the notes)."""
+    from .formats import answer_line
     plt = pyplot()
     parts = []
-    if budget is not None:
+    if answer is not None:
+        said, line = answer_line(answer).split(": ", 1)
+        parts.append(f'<p class="verdict {"fits" if answer["fits"] else "nofit"}">'
+                     f'<span class=badge>{html.escape(said)}</span> '
+                     f'{html.escape(line, quote=False)}</p>')
+    elif budget is not None:
         verdict = "FITS" if budget.fits else "DOES NOT FIT"
         where = budget.gpu.name if budget.gpu else _human(budget.capacity)
         reserved = (f", {_human(budget.reserved)} reserved by the caching allocator"

@@ -16,8 +16,8 @@ from memsim._version import __version__ as VERSION
 from memsim.analysis import TRAIN_FIELDS, Report
 from memsim.tracer import Loop
 
-from .formats import (approx, at_cells, figure_json, formula, human, largest, short, verdict,
-                      wrapped)
+from .formats import (answer, answer_line, approx, at_cells, figure_json, formula, human,
+                      largest, short, verdict, wrapped)
 
 __all__ = ["to_text", "to_json", "budget_text", "budget_json", "gpu_table", "strategy_text",
            "human", "largest", "verdict"]
@@ -53,17 +53,22 @@ def budget_json(b) -> dict:
 
 
 def to_json(report: Report, point: dict[str, int] | None = None, budget=None,
-            full: Report | None = None) -> dict:
+            full: Report | None = None, model: str | None = None) -> dict:
     """The stable JSON document (docs/json.md). ``report`` covers ``point``
-    (:meth:`Report.for_point`); ``full`` is the report asked for, whose code paths are listed."""
+    (:meth:`Report.for_point`); ``full`` is the report asked for, whose code paths are listed;
+    ``model`` names it in the verdict (the command's target)."""
     at = {**report.fixed, **(point or {})}
-    doc: dict = {"memsim": VERSION, "device": report.device,
-                 **({"cpu_isa": report.config.cpu_isa.value} if report.device == "cpu" else {}),
-                 "precision": report.precision, "accumulate": report.accumulate,
-                 "outputs": report.config.loop.value,
-                 "data_dependent": str(report.config.data_dependent),
-                 "compiled": report.compiled, "symbols": list(report.symbols), "at": at or None, "fixed": dict(report.fixed),
-                 "ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()}}
+    doc: dict = {"memsim": VERSION}
+    if budget is not None:
+        doc["verdict"] = answer(report, budget, at, model)
+    doc |= {"device": report.device,
+            **({"cpu_isa": report.config.cpu_isa.value} if report.device == "cpu" else {}),
+            "precision": report.precision, "accumulate": report.accumulate,
+            "outputs": report.config.loop.value,
+            "data_dependent": str(report.config.data_dependent),
+            "compiled": report.compiled, "symbols": list(report.symbols), "at": at or None,
+            "fixed": dict(report.fixed),
+            "ranges": {n: {"min": lo, "max": hi} for n, (lo, hi) in report.ranges.items()}}
     doc.update(_figures(report, point))
     if report.train is not None:
         doc["train"]["regimes"] = [
@@ -284,9 +289,12 @@ def strategy_text(st: dict) -> str:
 
 def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, budget=None,
             full: Report | None = None, full_point: dict | None = None, batch: str = "B",
-            seq: str = "S") -> str:
-    """Readable tables: figures with formulas, the peak's regimes, breakdown, top modules."""
-    out = _header_text(report, point, full)
+            seq: str = "S", model: str | None = None) -> str:
+    """Readable tables: with a budget, the verdict first (:func:`memsim.formats.answer_line`);
+    figures with formulas, the peak's regimes, breakdown, top modules."""
+    out = [] if budget is None else [
+        answer_line(answer(report, budget, {**report.fixed, **(point or {})}, model)), ""]
+    out += _header_text(report, point, full)
     if report.train is not None:
         out += _train_text(report.train, report.symbols, point)
     if report.inference is not None:

@@ -95,3 +95,34 @@ def test_progress_on_stderr(tmp_path, capsys, monkeypatch):
     assert main(argv + ["--json"]) == 0
     out, err = capsys.readouterr()
     assert "tracing" not in err and json.loads(out)["train"]
+
+
+def test_the_answer_comes_first(capsys, monkeypatch, tmp_path):
+    """With a budget the verdict is the first line, saying what was modelled (the model, the
+    point, the precision, one device or per rank, the GPU's usable memory, the total, the
+    headroom, the largest sizes), in the text, the JSON (``verdict``) and the HTML (a badge);
+    green or red on a terminal, plain in a pipe or under ``NO_COLOR``."""
+    import memsim.cli as cli
+    assert main(ARGS + ["--at", "B=2,S=8", "--gpu", "a10"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("FITS: train step of examples/nanogpt_block.py:small at B=2, S=8, "
+                            "32-true, one device: "), first
+    assert "of A10's 20.24 GiB usable, headroom " in first and "largest batch that fits" in first
+    assert main(ARGS + ["--at", "B=2,S=8", "--memory", "64KiB", "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)["verdict"]
+    assert v["fits"] is False and v["model"] == "examples/nanogpt_block.py:small"
+    assert v["at"] == {"B": 2, "S": 8} and v["per"] == "device" and v["gpu"] is None
+    assert v["total"] > v["usable"] == int(2 ** 16 * 0.9) and v["headroom"] < 0
+    page = tmp_path / "r.html"
+    assert main(ARGS + ["--at", "B=2,S=8", "--gpu", "a10", "--html", str(page)]) == 0
+    capsys.readouterr()
+    assert '<p class="verdict fits"><span class=badge>FITS</span> train step of' in \
+        page.read_text()
+    budget = type("B", (), {"fits": False})()
+    monkeypatch.setattr(cli.sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    assert cli._coloured("DOES NOT FIT: x\nrest", budget) == \
+        "\033[1;31mDOES NOT FIT: x\033[0m\nrest"
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert cli._coloured("DOES NOT FIT: x\nrest", budget) == "DOES NOT FIT: x\nrest"

@@ -15,7 +15,8 @@ IMG = {"x": ("float32", ["B", 3, "H", "H"])}
 def test_a_stepped_symbol_has_polynomial_formulas_equal_to_real_runs():
     """Stride 2 then windows of 4: images of multiples of 8 are padded nowhere. The formulas
     are polynomials in B and H (the steps' count divided back into H), exact at H = 24 and 40;
-    H = 20 pads, is outside the formulas (``at`` refuses it) and is traced at that size."""
+    H = 20 pads, is outside the formulas (``at`` refuses it) and is traced at that size, as is
+    H = 12, below two steps and off the step."""
     report = predict(zoo.PadToWindows, IMG, multiples={"H": 8})
     H = report.symbols["H"]
     assert report.ranges["H"] == (16, None)
@@ -25,7 +26,7 @@ def test_a_stepped_symbol_has_polynomial_formulas_equal_to_real_runs():
         report.at(B=2, H=20)
     assert any(n.startswith("H is traced at multiples of 8") for n in report.notes)
     check(report, zoo.PadToWindows, IMG, [{"B": 2, "H": 24}, {"B": 3, "H": 40},
-                                          {"B": 2, "H": 20}])
+                                          {"B": 2, "H": 20}, {"B": 2, "H": 12}])
 
 
 def test_an_example_size_off_the_step_is_refused():
