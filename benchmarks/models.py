@@ -242,6 +242,8 @@ MODELS = {
     "masked": ("x[x > 0], masked_select, torch.where(mask)", zoo.MaskedSum,
                {"x": ("float32", ["B", 16])}, [{"B": 3}, {"B": 8}],
                dict(inputs=lambda pt, x: dict(x, x=x["x"].abs() + 0.1))),
+    "gemma3": ("Gemma-3 with its SigLIP tower, sizes fixed (token ids given)",
+               hf.gemma3_vision, hf.gemma3_vision_inputs(), [{}]),
     "bigru": ("bidirectional GRU LM (nn.GRU)", lambda: zoo.GRULM(bidirectional=True),
               {"x": ("int64", ["B", "S"])}, [{"B": 3, "S": 40}, {"B": 25, "S": 60}]),
 }
@@ -300,7 +302,7 @@ def run(key: str) -> dict:
 
 
 def _point(pt: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in pt.items())
+    return ", ".join(f"{k}={v}" for k, v in pt.items()) or "the sizes given"
 
 
 def _pair(pair) -> str:

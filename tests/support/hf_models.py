@@ -129,13 +129,17 @@ def qwen2_moe_forced(spread: bool = False):
     return model
 
 
-def jetmoe_forced(spread: bool = False):
-    """:func:`jetmoe` whose routers' logits are forced (:func:`forced_logits_hook`)."""
-    model = jetmoe()
+def _logits_forced(model, spread: bool):
+    """``model`` with every ``router.layer``'s logits forced (:func:`forced_logits_hook`)."""
     for name, m in model.named_modules():
         if name.endswith("router.layer"):
             m.register_forward_hook(forced_logits_hook(spread))
     return model
+
+
+def jetmoe_forced(spread: bool = False):
+    """:func:`jetmoe` whose routers' logits are forced (:func:`forced_logits_hook`)."""
+    return _logits_forced(jetmoe(), spread)
 
 
 # families of issue 43's pass that benchmarks/models.py runs beside the ones above
@@ -215,11 +219,7 @@ def dbrx():
 
 def dbrx_forced(spread: bool = False):
     """:func:`dbrx` whose routers' logits are forced (:func:`forced_logits_hook`)."""
-    model = dbrx()
-    for name, m in model.named_modules():
-        if name.endswith("router.layer"):
-            m.register_forward_hook(forced_logits_hook(spread))
-    return model
+    return _logits_forced(dbrx(), spread)
 
 
 def gpt_neo():
@@ -236,3 +236,27 @@ def llama_lora():
     import peft
     return peft.get_peft_model(llama(), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+
+def gemma3_vision():
+    """Gemma-3 with its SigLIP tower (one layer each): images of 28 x 28 in patches of 14, 4
+    tokens per image."""
+    return T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         vocab_size=300, max_position_embeddings=96),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4))
+
+
+def gemma3_vision_inputs(batch: int = 2, seq: int = 12) -> dict:
+    """Gemma-3's inputs with the image's 4 tokens at positions 1-4 of each row: the token ids
+    given as tensors (an input spec has sizes, not values), the image a spec, no loss on the
+    image's tokens."""
+    image = 262144   # Gemma3Config's image_token_id
+    ids = torch.full((batch, seq), 5, dtype=torch.long)
+    ids[:, 1:5] = image
+    labels = ids.masked_fill(ids == image, -100)   # no loss on the image's tokens
+    return {"input_ids": ids, "pixel_values": ("float32", [batch, 3, 28, 28]),
+            "labels": labels, "token_type_ids": (ids == image).long()}
