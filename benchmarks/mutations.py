@@ -489,6 +489,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_cli.py::test_the_answer_comes_first",),
              "the verdict buried in the budget section instead of the first line"),
 
+    Mutation("compare-progress-unnamed", "memsim/cli.py",
+             "            _SHOWN.what = (f\"configuration {i} of {len(prepared)} \"",
+             "            _SHOWN.what = None and (f\"configuration {i} of {len(prepared)} \"",
+             ("tests/test_cli.py::test_compare_progress_names_the_configuration",),
+             "compare's progress not saying which configuration it traces"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

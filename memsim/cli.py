@@ -32,17 +32,22 @@ __all__ = ["main", "run", "load_target"]
 def run(argv: list[str] | None = None) -> int:
     argv = join_configs(list(sys.argv[1:] if argv is None else argv))
     args = parser().parse_args(argv)
+    global _SHOWN
     if args.cmd != "gpus" and not (args.quiet or args.json):
         from memsim.tracer.progress import listening
-        shown = _Progress()
+        shown = _SHOWN = _Progress()
         try:
             with listening(shown):
                 return _run(args)
         finally:
             shown.close()
+            _SHOWN = None
     return _run(args)
 
 
+# the progress line being shown (None under --quiet and --json): compare names its
+# configuration in it
+_SHOWN = None
 # progress appears once a trace has run this long, then at most this often off a terminal (s)
 _PROGRESS_AFTER = 2.0
 _PROGRESS_EVERY = 5.0
@@ -59,6 +64,7 @@ class _Progress:
         self.last = 0.0
         self.tty = sys.stderr.isatty()
         self.shown = False
+        self.what = None   # what is traced, where a command traces several things
 
     def __call__(self, phase, module=None, index=None, count=None):
         now = self.clock()
@@ -66,7 +72,8 @@ class _Progress:
                 0.2 if self.tty else _PROGRESS_EVERY):
             return
         self.last = now
-        msg = f"tracing {phase}" + (f": {module} / {count}" if module is not None else "")
+        msg = (f"{self.what}: " if self.what else "") + f"tracing {phase}" + (
+            f": {module} / {count}" if module is not None else "")
         if self.tty:
             sys.stderr.write("\r\033[K" + msg)
             sys.stderr.flush()
@@ -214,7 +221,10 @@ def _compare(args) -> int:
         cargs = config_args(args, text)
         prepared.append((text, cargs, _prepare(cargs)))
     rows = []
-    for text, cargs, prep in prepared:
+    for i, (text, cargs, prep) in enumerate(prepared, 1):
+        if _SHOWN is not None:
+            _SHOWN.what = (f"configuration {i} of {len(prepared)} "
+                           f"({text.strip() or 'the common options'})")
         try:
             report, point, shown, spoint, budget, _ = _execute(cargs, prep, fit=True) \
                 if not args.inference else _execute(cargs, prep)

@@ -97,6 +97,21 @@ def test_progress_on_stderr(tmp_path, capsys, monkeypatch):
     assert "tracing" not in err and json.loads(out)["train"]
 
 
+def test_compare_progress_names_the_configuration(tmp_path, capsys, monkeypatch):
+    """``memsim compare`` says which configuration it traces, one after the other."""
+    import memsim.cli as cli
+    monkeypatch.setattr(cli, "_PROGRESS_AFTER", 0.0)
+    monkeypatch.setattr(cli, "_PROGRESS_EVERY", 0.0)
+    f = tmp_path / "stack.py"
+    f.write_text(STACK)
+    assert main(["compare", f"{f}:Stack", "--input", "x=float32[B,8]", "--device", "cpu",
+                 "--at", "B=4", "--memory", "1GiB", "--config", "",
+                 "--config", "--drop-outputs"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "memsim: configuration 1 of 2 (the common options): tracing backward" in err, err
+    assert "memsim: configuration 2 of 2 (--drop-outputs): tracing backward" in err, err
+
+
 def test_the_answer_comes_first(capsys, monkeypatch, tmp_path):
     """With a budget the verdict is the first line, saying what was modelled (the model, the
     point, the precision, one device or per rank, the GPU's usable memory, the total, the
