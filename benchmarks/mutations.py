@@ -495,6 +495,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_cli.py::test_compare_progress_names_the_configuration",),
              "compare's progress not saying which configuration it traces"),
 
+    Mutation("other-warnings-not-held", "memsim/cli.py",
+             "    logging.Logger.handle = hold\n",
+             "",
+             ("tests/test_cli.py::test_other_libraries_warnings_come_after_the_answer",),
+             "another library's logging warning printed while tracing, before the answer"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

@@ -10,6 +10,7 @@ the checks made before a trace are :mod:`memsim.options`, the model is loaded by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -33,7 +34,11 @@ def run(argv: list[str] | None = None) -> int:
     argv = join_configs(list(sys.argv[1:] if argv is None else argv))
     args = parser().parse_args(argv)
     global _SHOWN
-    if args.cmd != "gpus" and not (args.quiet or args.json):
+    if args.cmd == "gpus":
+        return _run(args)
+    with _held_back(args.quiet):
+        if args.quiet or args.json:
+            return _run(args)
         from memsim.tracer.progress import listening
         shown = _SHOWN = _Progress()
         try:
@@ -42,7 +47,36 @@ def run(argv: list[str] | None = None) -> int:
         finally:
             shown.close()
             _SHOWN = None
-    return _run(args)
+
+
+@contextlib.contextmanager
+def _held_back(quiet: bool):
+    """Warnings of other libraries while memsim traces (Python's ``warnings`` and ``logging``
+    records of loggers not memsim's: transformers' ``loss_type`` notice, say) held back: they
+    would break the progress line and come before the answer. Printed once each on stderr
+    after the answer, or dropped under ``--quiet``."""
+    import logging
+    import warnings
+    records: list[str] = []
+    handle = logging.Logger.handle
+
+    def hold(self, record):
+        if record.name.split(".")[0] == "memsim" or record.levelno < logging.WARNING:
+            return handle(self, record)
+        records.append(f"{record.name}: {record.getMessage()}")
+
+    logging.Logger.handle = hold
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            yield records
+    finally:
+        logging.Logger.handle = handle
+        records += [f"{w.category.__name__}: {w.message}" for w in caught]
+        if not quiet:
+            for text in dict.fromkeys(records):
+                print(f"memsim: said while tracing: {text}", file=sys.stderr)
 
 
 # the progress line being shown (None under --quiet and --json): compare names its

@@ -66,7 +66,9 @@ def add_common(a: argparse.ArgumentParser) -> None:
                                                   {"default": default}), **opt.argparse)
     a.add_argument("--json", action="store_true", help="print the JSON document")
     a.add_argument("--quiet", action="store_true",
-                   help="no progress on stderr (shown for traces over 2 s, never with --json)")
+                   help="no progress on stderr (shown for traces over 2 s, never with "
+                        "--json), and other libraries' warnings dropped (else printed after "
+                        "the answer)")
     a.add_argument("--no-cache", action="store_true",
                    help="trace again instead of answering from the on-disk cache")
     b = a.add_argument_group("budget (against a GPU)")

@@ -97,6 +97,49 @@ def test_progress_on_stderr(tmp_path, capsys, monkeypatch):
     assert "tracing" not in err and json.loads(out)["train"]
 
 
+NOISY = '''
+import logging
+import warnings
+
+import torch.nn as nn
+
+
+class Noisy(nn.Module):
+    """A model whose library speaks while it runs, as transformers' loss_type notice does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        logging.getLogger("somelib.modeling").warning("loss_type=None is unrecognized")
+        warnings.warn("a deprecated argument", FutureWarning)
+        return self.fc(x)
+'''
+
+
+def test_other_libraries_warnings_come_after_the_answer(tmp_path, capsys, monkeypatch):
+    """Another library's logging warnings and Python warnings while memsim traces are held back
+    (they broke the progress line and came before the answer): on stderr after the answer,
+    once each, and not at all with --quiet."""
+    import memsim.cli as cli
+    monkeypatch.setattr(cli, "_PROGRESS_AFTER", 0.0)
+    monkeypatch.setattr(cli, "_PROGRESS_EVERY", 0.0)
+    f = tmp_path / "noisy.py"
+    f.write_text(NOISY)
+    argv = ["analyze", f"{f}:Noisy", "--input", "x=float32[B,8]", "--device", "cpu"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    said = [i for i, line in enumerate(err) if line.startswith("memsim: said while tracing")]
+    assert [err[i] for i in said] == [
+        "memsim: said while tracing: somelib.modeling: loss_type=None is unrecognized",
+        "memsim: said while tracing: FutureWarning: a deprecated argument"], err
+    progress = [i for i, line in enumerate(err) if "tracing" in line and i not in said]
+    assert progress and max(progress) < min(said), err
+    assert main(argv + ["--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_compare_progress_names_the_configuration(tmp_path, capsys, monkeypatch):
     """``memsim compare`` says which configuration it traces, one after the other."""
     import memsim.cli as cli
