@@ -501,6 +501,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_cli.py::test_other_libraries_warnings_come_after_the_answer",),
              "another library's logging warning printed while tracing, before the answer"),
 
+    Mutation("cut-run-progress-unsaid", "tracer/fold_stack.py",
+             "    mod.__dict__[\"_memsim_whole\"] = len(saved)",
+             "    pass",
+             ("tests/test_cli.py::test_progress_on_stderr",),
+             "a folded stack's cut run shown as if the model had only its blocks (4 / 5)"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

@@ -100,14 +100,16 @@ class _Progress:
         self.shown = False
         self.what = None   # what is traced, where a command traces several things
 
-    def __call__(self, phase, module=None, index=None, count=None):
+    def __call__(self, phase, module=None, index=None, count=None, traced=None):
         now = self.clock()
         if now - self.start < _PROGRESS_AFTER or now - self.last < (
                 0.2 if self.tty else _PROGRESS_EVERY):
             return
         self.last = now
         msg = (f"{self.what}: " if self.what else "") + f"tracing {phase}" + (
-            f": {module} / {count}" if module is not None else "")
+            f": {module} / {count}" if module is not None else "") + (
+            f" (a run of {traced} blocks, the others derived from it)"
+            if module is not None and traced else "")
         if self.tty:
             sys.stderr.write("\r\033[K" + msg)
             sys.stderr.flush()

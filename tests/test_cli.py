@@ -95,6 +95,12 @@ def test_progress_on_stderr(tmp_path, capsys, monkeypatch):
     assert main(argv + ["--json"]) == 0
     out, err = capsys.readouterr()
     assert "tracing" not in err and json.loads(out)["train"]
+    # a folded stack of 16: each cut run says of how many blocks, and that the rest are derived
+    f.write_text(STACK.replace("range(3)", "range(16)"))
+    assert main(argv) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "layers." in line]
+    assert "memsim: tracing forward: layers.3 / 16 (a run of 4 blocks, the others derived " \
+        "from it)" in err, err
 
 
 NOISY = '''

@@ -170,11 +170,13 @@ def cut(model: torch.nn.Module, stack: Stack, units: int):
                 configs.append((cfg, name, stack.size))
                 break
     mod._modules = OrderedDict(list(saved.items())[:n])
+    mod.__dict__["_memsim_whole"] = len(saved)   # the progress says of how many (progress.py)
     try:
         for cfg, name, _ in configs:
             setattr(cfg, name, n)
         yield
     finally:
         mod._modules = saved
+        mod.__dict__.pop("_memsim_whole", None)
         for cfg, name, v in configs:
             setattr(cfg, name, v)

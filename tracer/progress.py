@@ -14,8 +14,9 @@ _listener: Callable | None = None
 
 
 @contextlib.contextmanager
-def listening(fn: Callable[[str, str | None, int | None, int | None], None] | None):
-    """Call ``fn(phase, module, index, count)`` on progress while inside (None: nobody)."""
+def listening(fn: Callable[..., None] | None):
+    """Call ``fn(phase, module, index, count, traced)`` on progress while inside (None:
+    nobody)."""
     global _listener
     was, _listener = _listener, fn
     try:
@@ -25,18 +26,24 @@ def listening(fn: Callable[[str, str | None, int | None, int | None], None] | No
 
 
 def report(phase: str, module: str | None = None, index: int | None = None,
-           count: int | None = None) -> None:
+           count: int | None = None, traced: int | None = None) -> None:
+    """``count``: the stack's blocks; ``traced``: those this run traces, where it is a cut run
+    of a folded stack (:mod:`memsim.tracer.fold`: the rest are derived), else None."""
     if _listener is not None:
-        _listener(phase, module, index, count)
+        _listener(phase, module, index, count, traced)
 
 
-def blocks(model) -> dict[int, tuple[str, int, int]]:
-    """The items of the model's repeated stacks: ``{id(module): (path, index, count)}``."""
+def blocks(model) -> dict[int, tuple[str, int, int, int | None]]:
+    """The items of the model's repeated stacks: ``{id(module): (path, index, count,
+    traced)}``, ``count`` the whole stack's and ``traced`` the blocks of a cut run (None where
+    the stack is whole)."""
     import torch
 
-    out: dict[int, tuple[str, int, int]] = {}
+    out: dict[int, tuple[str, int, int, int | None]] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) and len(mod) > 1:
+            whole = mod.__dict__.get("_memsim_whole")
             for i, child in enumerate(mod):
-                out.setdefault(id(child), (f"{name}.{i}" if name else str(i), i, len(mod)))
+                out.setdefault(id(child), (f"{name}.{i}" if name else str(i), i,
+                                           whole or len(mod), len(mod) if whole else None))
     return out

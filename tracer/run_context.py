@@ -213,7 +213,7 @@ def module_tracking(model: torch.nn.Module, recorder: Recorder):
     def pre(mod, args):
         got = stacked.get(id(mod))
         if got is not None:
-            progress.report(recorder.phase.value, got[0], got[1], got[2])
+            progress.report(recorder.phase.value, *got)
         # a module outside the model (a wrapper built inside forward, such as transformers'
         # hub-kernel ``Func``) is charged to the model's module that called it
         name = names.get(id(mod))
