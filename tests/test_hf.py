@@ -8,7 +8,8 @@ from tests.support.predict import check, grid, predict
 
 T = pytest.importorskip("transformers")
 
-from tests.support.hf_models import LM, bigbird, gpt2, llama, pegasus, qwen3_next  # noqa: E402
+from tests.support.hf_models import (LM, bigbird, gemma3_vision, gpt2, llama,  # noqa: E402
+                                     pegasus, qwen3_next)
 
 
 @pytest.mark.slow
@@ -475,13 +476,7 @@ def test_decoder_positions_and_text_config_limits():
     seq2seq = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "T"])}
     with torch.device("meta"):
         model = pegasus()
-        gemma3 = T.Gemma3ForConditionalGeneration(T.Gemma3Config(
-            text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                             vocab_size=300, max_position_embeddings=96),
-            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=2, image_size=28, patch_size=14),
-            mm_tokens_per_image=4))
+        gemma3 = gemma3_vision()
     assert limits(model, seq2seq) == {"S": 40, "T": 40}
     assert limits(gemma3, LM) == {"S": 96}
     with torch.device("meta"):   # encoder and decoder positions apart
