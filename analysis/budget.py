@@ -169,6 +169,11 @@ class Budget:
     max_batch_no_release: int | None = None
     max_seq_no_release: int | None = None
 
+    @property
+    def usable(self) -> int:
+        """The bytes the step may take: ``capacity * (1 - margin)``."""
+        return int(self.capacity * (1 - self.margin))
+
 
 class TotalModel:
     """``total(point)`` for one report and step, exact and fast (integer arithmetic)."""

@@ -52,7 +52,7 @@ class Retracer:
     def __call__(self, fixed: Mapping[str, int], already: Mapping[str, int] | None = None):
         """The analysis with the symbols in ``fixed`` given as integers (``already``: those the
         report was traced with fixed before)."""
-        key = ("fixed",) + tuple(sorted(fixed.items()))
+        key = _fixed_key(fixed)
         got = self.cache.get(key)
         if isinstance(got, _Beside):
             got = self.cache[key] = got.join(self._sub(fixed))
@@ -103,7 +103,7 @@ class Retracer:
         call with ``fixed`` takes the child's report. Whether it started (not where it is
         cached or started already, or no process can be forked: then it is traced when
         asked)."""
-        key = ("fixed",) + tuple(sorted(fixed.items()))
+        key = _fixed_key(fixed)
         if key in self.cache:
             return False
         child = forked(lambda f=dict(fixed): _portable(self._fixed(f, already)))
@@ -114,7 +114,11 @@ class Retracer:
 
     def traced_ahead(self, fixed: Mapping[str, int]) -> bool:
         """Whether ``fixed`` is being traced in a child (:meth:`ahead`), not yet joined."""
-        return isinstance(self.cache.get(("fixed",) + tuple(sorted(fixed.items()))), _Beside)
+        return isinstance(self.cache.get(_fixed_key(fixed)), _Beside)
+
+    def started(self, fixed: Mapping[str, int]) -> bool:
+        """Whether ``fixed`` is traced already, or being traced in a child."""
+        return _fixed_key(fixed) in self.cache
 
     def cancel_ahead(self) -> None:
         """Stop the children tracing ahead whose reports nobody took (:meth:`ahead`)."""
@@ -122,6 +126,11 @@ class Retracer:
             if isinstance(got, _Beside):
                 got.cancel()
                 del self.cache[key]
+
+
+def _fixed_key(fixed: Mapping[str, int]) -> tuple:
+    """The cache key of an analysis traced with ``fixed`` (:class:`Retracer`)."""
+    return ("fixed",) + tuple(sorted(fixed.items()))
 
 
 def _portable(report: "Report") -> bytes:
@@ -257,7 +266,8 @@ def probe_size(report: Report, name: str, v: int,
     step = report.config.multiples.get(name)
     if step is not None:   # a stepped symbol: the next multiple past the range's end
         p = (hi // step + 1) * step if hi is not None and v > hi else -(-v // step) * step
-        while p in taken or (p // step) in {h // step for h in taken}:
+        counts = {h // step for h in taken}   # the run's symbols must differ too
+        while p in taken or p // step in counts:
             p += step
         return p if limit is None or p <= limit else v
     if hi is not None and v > hi:

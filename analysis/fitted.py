@@ -331,13 +331,13 @@ def fitted(analyze, model, inputs, config, error: SpecializationError, hint: int
             if retracer.traced_ahead({name: s}):
                 # a child traces s: meanwhile this process traces the window's next size
                 here = next((x for x in window[window.index(s) + 1:]
-                             if ("fixed", (name, x)) not in retracer.cache), None)
+                             if not retracer.started({name: x})), None)
                 if here is not None:
                     retracer({name: here}, already)
-            elif ("fixed", (name, s)) not in retracer.cache:
+            elif not retracer.started({name: s}):
                 # this process traces s: meanwhile a child traces the next size of any window
                 ahead = next((x for x in order[order.index(s) + 1:]
-                              if ("fixed", (name, x)) not in retracer.cache), None)
+                              if not retracer.started({name: x})), None)
                 if ahead is not None:
                     retracer.ahead({name: ahead}, already)
             fit.reports[s] = retracer({name: s}, already)  # cached across windows

@@ -59,6 +59,11 @@ class Candidate:
         return f"Candidate(expr={self.expr}, event={self.event}, label={self.label!r})"
 
 
+def _number(c: sympy.Rational) -> int | Fraction:
+    """A sympy rational as an int, or a Fraction where it is not whole."""
+    return int(c) if c.is_Integer else Fraction(int(c.p), int(c.q))
+
+
 class PolyBasis:
     """Maps size expressions to ``{monomial: coefficient}`` dicts, with a cache.
 
@@ -80,8 +85,7 @@ class PolyBasis:
                 if c != 0:
                     if not c.is_Rational:
                         raise ValueError(f"size {expr} has a non-rational coefficient {c}")
-                    v = int(c) if c.is_Integer else Fraction(int(c.p), int(c.q))
-                    got[m] = got.get(m, 0) + v
+                    got[m] = got.get(m, 0) + _number(c)
             self._cache[expr] = got
         return got
 
@@ -139,7 +143,7 @@ def _shift_poly(p: sympy.Expr, lows: dict[sympy.Symbol, int]) -> dict:
     shifted = sympy.expand(p.xreplace({s: s + lo for s, lo in lows.items()}))
     for mm, c in shifted.as_coefficients_dict().items():
         if c:
-            out[mm] = out.get(mm, 0) + (int(c) if c.is_Integer else Fraction(int(c.p), int(c.q)))
+            out[mm] = out.get(mm, 0) + _number(c)
     return out
 
 

@@ -411,8 +411,8 @@ MUTATIONS: list[Mutation] = [
              "formulas of a stepped symbol in its count of steps"),
 
     Mutation("step-range-not-scaled", "tracer/trace.py",
-             "        lo, hi = (lo if lo is None else lo * step), (hi if hi is None else hi * step)",
-             "        pass",
+             "        ranges[name] = (lower[raw] * step, hi)",
+             "        ranges[name] = (lower[raw], hi)",
              ("tests/test_multiples.py::test_a_stepped_symbol_has_polynomial_formulas_equal_to_real_runs",),
              "a stepped symbol's range in steps, not sizes"),
 

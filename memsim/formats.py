@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sympy
 
-__all__ = ["verdict", "answer", "answer_line", "largest", "human", "formula", "approx", "short", "wrapped", "amount",
-           "monomial", "figure_json", "at_cells", "flops_text", "value_at"]
+__all__ = ["verdict", "answer", "answer_line", "largest", "human", "formula", "approx", "short",
+           "wrapped", "amount", "monomial", "figure_json", "at_cells", "flops_text", "value_at"]
 
 
 def verdict(b) -> str:
@@ -36,7 +36,7 @@ def answer(report, b, point, model: str | None = None) -> dict:
             "strategy": strategy_text(st) if st else None,
             "per": "rank" if ranks > 1 else "device", "precision": report.precision,
             "gpu": b.gpu.name if b.gpu else None, "capacity": b.capacity,
-            "usable": int(b.capacity * (1 - b.margin)), "total": b.total,
+            "usable": b.usable, "total": b.total,
             "headroom": round(b.headroom, 6), "largest_batch": b.max_batch,
             "largest_seq": b.max_seq}
 

@@ -221,7 +221,7 @@ def budget_text(b, device: str) -> str:
         if k == "allocator_cache" and b.reserved is not None:
             rows.append(["= reserved (max_memory_reserved)", human(b.reserved)])
     rows += [["total", human(b.total)],
-             [f"usable ({1 - b.margin:.0%} of capacity)", human(int(b.capacity * (1 - b.margin)))],
+             [f"usable ({1 - b.margin:.0%} of capacity)", human(b.usable)],
              ["capacity", human(b.capacity)]]
     out = [f"{b.step} step on {what}: {said}; headroom {b.headroom:.1%} of the capacity; "
            f"largest category at the peak: {b.dominant}",
@@ -258,7 +258,7 @@ def _sweep_text(report, point, b, batch, seq) -> list[str]:
         return []
     batches, seqs, rows = sweep(report, point, gpu=b.gpu, capacity=b.capacity, batch=batch,
                                 seq=seq, overheads=b.overheads, margin=b.margin)
-    usable = int(b.capacity * (1 - b.margin))
+    usable = b.usable
     table = []
     for bv, row in zip(batches, rows):
         table.append([bv if bv is not None else "-"] + [

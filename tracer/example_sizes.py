@@ -39,17 +39,20 @@ def example_sizes(specs: list[TensorSpec], given: dict[str, int] | None,
         if n not in names:
             raise InputError(f"a step given for {n!r}, which no input uses",
                              hint=f"symbols: {', '.join(names) or '(none)'}")
-    # the run's own symbols (steps of a stepped symbol) must be distinct too
-    raw = {n: given[n] // multiples.get(n, 1) for n in given}
-    pool = [h for h in _DEFAULT_HINTS if h not in raw.values()]
-    out = {}
-    for n in names:
-        out[n] = given[n] if n in given else pool.pop(0) * multiples.get(n, 1)
-    raw = [v // multiples.get(n, 1) for n, v in out.items()]
-    if len(set(out.values())) != len(out) or len(set(raw)) != len(raw):
+    taken = {given[n] // multiples.get(n, 1) for n in given}
+    pool = [h for h in _DEFAULT_HINTS if h not in taken]
+    out = {n: given[n] if n in given else pool.pop(0) * multiples.get(n, 1) for n in names}
+    if not _distinct(out, multiples):
         raise InputError(f"example sizes must be distinct, got {out}",
                          hint="equal example sizes merge two symbols into one")
     return out
+
+
+def _distinct(sizes: dict[str, int], steps: dict[str, int]) -> bool:
+    """Whether the sizes are distinct, and so are the run's own symbols (a stepped symbol's
+    count of steps): equal ones would merge two symbols into one."""
+    raw = [v // steps.get(n, 1) for n, v in sizes.items()]
+    return len(set(sizes.values())) == len(sizes) and len(set(raw)) == len(raw)
 
 
 def larger_sizes(hints: dict[str, int], config: StepConfig, points=(),
@@ -68,14 +71,15 @@ def larger_sizes(hints: dict[str, int], config: StepConfig, points=(),
     free = [n for n in hints if n not in given]
     out: list[dict[str, int]] = []
 
+    def step(n: str) -> int:
+        return steps.get(n, 1)
+
     def fits(n: str, v: int) -> bool:
-        return v >= 2 and v % steps.get(n, 1) == 0 and v // steps.get(n, 1) >= 2 and (
+        return v >= 2 and v % step(n) == 0 and v // step(n) >= 2 and (
             n not in limits or v <= limits[n])
 
     def add(sizes: dict[str, int]) -> None:
-        raw = [v // steps.get(n, 1) for n, v in sizes.items()]
-        if sizes != hints and sizes not in out and len(set(sizes.values())) == len(sizes) \
-                and len(set(raw)) == len(raw):
+        if sizes != hints and sizes not in out and _distinct(sizes, steps):
             out.append(sizes)
 
     for pt in points or ():
@@ -93,15 +97,15 @@ def larger_sizes(hints: dict[str, int], config: StepConfig, points=(),
     pool = [h for h in _RETRY_HINTS if h not in hints.values()]
     larger = {}
     for n in free:
-        v = next((h for h in pool if fits(n, h * steps.get(n, 1))), None)
+        v = next((h for h in pool if fits(n, h * step(n))), None)
         if v is None:   # a limit below the primes: the largest size under it
-            top = limits.get(n, 2) // steps.get(n, 1)
-            v = next((x for x in range(top, hints[n] // steps.get(n, 1), -1)
-                      if x * steps.get(n, 1) not in hints.values()), None)
+            top = limits.get(n, 2) // step(n)
+            v = next((x for x in range(top, hints[n] // step(n), -1)
+                      if x * step(n) not in hints.values()), None)
         if v is not None:
             if v in pool:
                 pool.remove(v)
-            larger[n] = v * steps.get(n, 1)
+            larger[n] = v * step(n)
     for n in reversed(free):
         if n in larger:
             add(dict(hints, **{n: larger[n]}))

@@ -38,16 +38,23 @@ def _positions(configs: tuple, attrs: tuple[str, ...]) -> int | None:
     return None
 
 
+def _spec(inputs: dict, name: str) -> TensorSpec | None:
+    """The spec of input ``name``, or None (absent, not a tensor, or malformed: the tracer
+    reports malformed inputs itself)."""
+    if name not in inputs:
+        return None
+    try:
+        spec = make_spec(name, inputs[name])
+    except Exception:  # noqa: BLE001 - reported by the tracer
+        return None
+    return spec if isinstance(spec, TensorSpec) else None
+
+
 def _sequence_symbol(inputs: dict, names: tuple[str, ...]) -> str | None:
     for name in names:
-        if name in inputs:
-            try:
-                spec = make_spec(name, inputs[name])
-            except Exception:  # noqa: BLE001 - the tracer reports malformed inputs itself
-                continue
-            if isinstance(spec, TensorSpec) and len(spec.shape) >= 2 \
-                    and isinstance(spec.shape[1], str):
-                return spec.shape[1]
+        spec = _spec(inputs, name)
+        if spec is not None and len(spec.shape) >= 2 and isinstance(spec.shape[1], str):
+            return spec.shape[1]
     return None
 
 
@@ -79,7 +86,6 @@ def limits(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
     return out
 
 
-
 def multiples(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
     """``{symbol: step}`` for the image sizes of a vision model that pads by remainders:
     a windowed transformer (Swin and its kin: a config with ``patch_size``, ``window_size``
@@ -98,15 +104,11 @@ def multiples(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
         step = stride   # MobileNet's TensorFlow padding: a remainder per strided convolution
     else:
         return {}
-    out: dict[str, int] = {}
-    value = inputs.get("pixel_values")
-    try:
-        spec = make_spec("pixel_values", value) if value is not None else None
-    except Exception:  # noqa: BLE001 - the tracer reports malformed inputs itself
+    spec = _spec(inputs, "pixel_values")
+    if spec is None or len(spec.shape) != 4:
         return {}
-    if isinstance(spec, TensorSpec) and len(spec.shape) == 4:
-        out.update({d: step for d in spec.shape[2:] if isinstance(d, str)})
-    return out
+    return {d: step for d in spec.shape[2:] if isinstance(d, str)}
+
 
 @contextlib.contextmanager
 def eager_like():

@@ -126,7 +126,8 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
         scoped patches).
     sizes : list of dict, optional
         Points the user asks for (``[{"B": 2, "S": 64}]``): where the model fails at the
-        example sizes, these are the first other example sizes tried (:func:`memsim.tracer.example_sizes.larger_sizes`).
+        example sizes, these are the first other example sizes tried
+        (:func:`memsim.tracer.example_sizes.larger_sizes`).
     **options
         Fields of :class:`StepConfig` (``device="cpu"``...), applied over ``config``.
     """
@@ -170,17 +171,17 @@ def trace(model: torch.nn.Module, inputs: dict, config: StepConfig | None = None
             raise
         tried = []
         for larger in larger_sizes(hint_map, config, sizes, e.message):
-            sizes = ", ".join(f"{k}={v}" for k, v in larger.items())
+            at = ", ".join(f"{k}={v}" for k, v in larger.items())
             try:
                 return run(larger)
             except (DataDependentError, UnsupportedOpError, SpecializationError) as later:
                 # past the small sizes, the model stops on something else: that is the answer
                 MemsimError.__init__(later, later.message, hint=(later.hint or "") + (
-                    f" (at the example sizes {sizes}; at the first ones the model failed "
+                    f" (at the example sizes {at}; at the first ones the model failed "
                     f"earlier: {e.message})"))
                 raise later from later.__cause__
             except MemsimError:
-                tried.append(sizes)
+                tried.append(at)
         if not tried:
             raise
         MemsimError.__init__(e, e.message, hint=(e.hint or "") + (
@@ -284,10 +285,10 @@ def _traced(model, specs, constants, config, hint_map, *, train, transform, driv
     user = {n: symbol(n) for n in table.raw}
     # a stepped symbol's run symbol counts its steps
     to_user = {raw: user[n] / table.steps.get(n, 1) for n, raw in table.raw.items()}
-    ranges, guards, conditions = _validity(shape_env, table, to_user, config.limits,
+    lower = _lower_bounds(shape_env, table)
+    ranges, guards, conditions = _validity(shape_env, table, to_user, lower, config.limits,
                                            run.specialized)
     cache: dict = {}
-    lower = _lower_bounds(shape_env, table)
 
     def to_user_expr(e: sympy.Expr) -> sympy.Expr:
         if e not in cache:
@@ -358,8 +359,9 @@ def _check_backed(s: Storage) -> None:
                  "memsim cannot give a formula for them")
 
 
-def _validity(shape_env, table, to_user, limits, specialized=()):
-    """Ranges of validity per symbol and the other guards, in the user's symbols."""
+def _validity(shape_env, table, to_user, lower, limits, specialized=()):
+    """Ranges of validity per symbol and the other guards, in the user's symbols (``lower``:
+    each run symbol's least size, :func:`_lower_bounds`)."""
     # a pinned symbol is reported in the order the run pinned them (a loop over time steps
     # pins S first; a size computed from it may then pin B too)
     first = {sym: i for i, (sym, *_) in enumerate(specialized)}
@@ -381,15 +383,13 @@ def _validity(shape_env, table, to_user, limits, specialized=()):
     ranges = {}
     for name, raw in table.raw.items():
         vr = shape_env.var_to_range.get(raw)
-        lo = _pretty_bound(vr.lower) if vr is not None else 2
         hi = _pretty_bound(vr.upper) if vr is not None else None
         step = table.steps.get(name, 1)
-        lo, hi = (lo if lo is None else lo * step), (hi if hi is None else hi * step)
+        hi = hi if hi is None else hi * step
         if name in limits:
             hi = limits[name] if hi is None else min(hi, limits[name])
-        ranges[name] = (lo if lo is not None else 2, hi)
+        ranges[name] = (lower[raw] * step, hi)
     conditions = []
-    lower = _lower_bounds(shape_env, table)
     for g in shape_env.guards:
         e = exact(g.expr, lower).xreplace(to_user)
         if e is sympy.true or (len(e.free_symbols) == 1 and is_bound(e)):
