@@ -161,8 +161,8 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
 
 
 def _step_notes(multiples: dict[str, int]) -> list[str]:
-    return [f"{n} is traced at multiples of {k} (the model pads other sizes to whole "
-            f"steps): the formulas hold where {n} is a multiple of {k}, from {2 * k} on; "
+    return [f"{n} is traced at multiples of {k} (where the model pads other sizes to whole "
+            f"steps, or a strategy splits {n} into {k} equal parts): the formulas hold where {n} is a multiple of {k}, from {2 * k} on; "
             f"another {n} is traced at that size when asked for (exact there)"
             for n, k in multiples.items()]
 

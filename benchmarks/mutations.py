@@ -507,6 +507,32 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_cli.py::test_progress_on_stderr",),
              "a folded stack's cut run shown as if the model had only its blocks (4 / 5)"),
 
+    Mutation("pp-sends-not-held", "strategies/pipeline.py",
+             "                    return [_HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]",
+             "                    return works",
+             ("tests/test_pipeline.py::test_every_pipeline_rank_equals_a_real_gloo_run",),
+             "a pipeline send released at once, where gloo's Work holds it until dropped"),
+    Mutation("pp-other-stages-kept", "strategies/pipeline.py",
+             "                model._modules[name] = nn.Identity()",
+             "                pass",
+             ("tests/test_pipeline.py::test_a_rank_holds_only_its_own_stages",),
+             "a pipeline rank holding every stage's parameters"),
+    Mutation("pp-warmup-grads-unlabelled", "strategies/pipeline.py",
+             "        self.label_gradients(recorder)   # the warm-up step's, alive until zero_grad",
+             "        pass",
+             ("tests/test_pipeline.py::test_every_pipeline_rank_equals_a_real_gloo_run",),
+             "the previous step's gradients counted in a pipeline rank's activation peak"),
+    Mutation("pp-uneven-split-last-first", "strategies/pipeline.py",
+             "                at += per + (1 if s < extra else 0)",
+             "                at += per + (1 if s >= k - extra else 0)",
+             ("tests/test_pipeline.py",),
+             "the children that do not divide given to the last stages"),
+    Mutation("pp-batch-not-split-evenly", "strategies/pipeline.py",
+             "        return config.replace(multiples={**config.multiples, dim: step})",
+             "        return config",
+             ("tests/test_pipeline.py::test_every_pipeline_rank_equals_a_real_gloo_run",),
+             "the batch traced at any size, its micro-batches uneven"),
+
 ]
 
 # mutations no test can kill, with the reason (name -> why)

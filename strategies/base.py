@@ -60,7 +60,7 @@ def registered_strategies() -> dict[str, type]:
 
 
 # the device mesh's dimensions, outermost first: the order a strategy summary names them in
-AXES = ("dp", "tp")
+AXES = ("pp", "dp", "tp")
 
 
 def summary_order() -> list[type]:
@@ -114,6 +114,11 @@ class Strategy:
     def summary(cls, described) -> str:
         """One phrase for the text report, from :meth:`describe`'s output."""
         return f"{cls.__name__} {described}"
+
+    def for_inputs(self, config: StepConfig, inputs: Mapping) -> StepConfig:
+        """The step config this strategy needs for ``inputs`` (sizes traced at multiples of a
+        step, example sizes): ``config`` itself by default."""
+        return config
 
     def validate(self, given: Mapping[str, "Strategy"], config: StepConfig) -> None:
         """Raise a StrategyError when ``self`` cannot combine with ``given`` or ``config``."""

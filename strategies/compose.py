@@ -131,6 +131,8 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
     for s in given.values():
         s.validate(given, config)
     config = _sequence_hints(config, inputs, given.get("tp"))
+    for s in given.values():
+        config = s.for_inputs(config, inputs)
     retracer = Retracer(analyze, model, inputs, config, dict(
         strategies=tuple(given.values()), train=train, inference=inference))
     retracer.beside(points, fixed)

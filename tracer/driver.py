@@ -26,11 +26,20 @@ class Driver:
     # warm-up steps and before the one it measures (:attr:`RunRecord.replays`)
     replays = 0
     device = "cpu"  # the (fake) device the engine computes on; the inputs are made there
+    # the engine runs forward, loss and backward itself in what ``setup`` returns (a pipeline
+    # schedule): the loop then calls only that, ``zero_grad`` before it and ``step`` after,
+    # and the step's loss function is ``loss_fn``, set before ``setup``
+    owns_backward = False
+    loss_fn = None
     host_device = None  # where the engine puts host memory (offload), if it has any
 
     def context(self) -> contextlib.AbstractContextManager:
         """Entered around the whole symbolic run, outside the fake mode."""
         return contextlib.nullcontext()
+
+    def prepare(self, model: torch.nn.Module, recorder) -> None:
+        """Change the run's copy of the model before its parameters are made fake and
+        registered (a pipeline rank drops the stages it does not hold)."""
 
     def setup(self, model: torch.nn.Module, params: list, optimizer: Callable) -> Callable:
         """Build the engine around ``model``; return what runs the forward."""
@@ -41,6 +50,9 @@ class Driver:
 
     def step(self) -> None:
         raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Where the loop zeroes the gradients (an engine that does not do it in ``step``)."""
 
     def scalar(self, t: torch.Tensor):
         """The value the engine's code reads with ``.item()`` from ``t`` (a fake tensor has

@@ -42,6 +42,7 @@ def enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, con
     prec = config.precision
     low = prec.param_dtype if prec.param_dtype != torch.float32 else None  # *-true: cast
     if driver is not None:
+        driver.prepare(model, recorder)
         stack.enter_context(driver.context())
         recorder.scalar_hook = driver.scalar
         # host memory is apart from the device's only on a GPU (on the CPU it is all one)

@@ -243,15 +243,19 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
     trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     loss_fn = config.loss_fn or default_loss
     start_recording(stack, recorder, model, inputs, config)
+    driver.loss_fn = loss_fn
     call = driver.setup(model, trainable, optimizer_factory(config))
+    # the engine holds what it trains (a pipeline rank: its stages' parameters only)
+    del trainable
     # the loop the measured step runs (_driven_step): the previous step's output and loss are
     # held until the loop rebinds the names (memsim.tracer.previous)
     held = [None, None]
     for _ in range(driver.warmup):
         out, loss = held
         held.clear()
+        driver.zero_grad()
         out = call(**inputs, **constants)
-        loss = loss_fn(out)
+        loss = None if driver.owns_backward else loss_fn(out)
         if not config.keep_outputs:
             out = None
         driver.backward(loss)
@@ -288,12 +292,14 @@ def _driven_step(recorder, driver, call, inputs, constants, loss_fn, keep_output
     out, loss = previous
     previous.clear()
     recorder.mark(Phase.ZERO_GRAD)
+    driver.zero_grad()
     recorder.mark(Phase.FORWARD)
     with _saving(recorder):
         out = call(**inputs, **constants)
         recorder.mark(Phase.LOSS)
-        loss = loss_fn(out)
-        check_loss(loss)
+        if not driver.owns_backward:   # else forward, loss and backward ran in call
+            loss = loss_fn(out)
+            check_loss(loss)
     if not keep_outputs:
         out = None
     recorder.mark(Phase.BACKWARD)

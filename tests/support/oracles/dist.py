@@ -121,6 +121,9 @@ class RankMemory:
     # at the start of the step and at its end) nor `other`
     activation_peak: int = 0
     previous: int = 0         # the last warm-up step's output and loss, alive until rebound
+    # what pipeline stages and schedules hold into the step (receive buffers, the zero-bubble
+    # schedules' input gradients), counted in the activation peak (Pipeline only)
+    pipeline: int = 0
 
 
 @dataclass
@@ -206,6 +209,26 @@ class DeepSpeed:
         return cfg
 
 
+@dataclass
+class Pipeline:
+    """``torch.distributed.pipelining`` over the ranks: the model (an ``nn.Sequential``) split
+    into the stages ``groups`` (child positions per stage, in order), stage ``s`` on rank
+    ``s % world`` (``rank`` and ``2 world - 1 - rank`` for the V schedules), each a
+    ``PipelineStage`` given its boundary shapes (static: computed from one micro-batch of the
+    full model before the steps), the schedule ``torch.distributed.pipelining.<schedule>``
+    with ``microbatches`` and the loss ``loss_fn(output)`` per micro-batch (its target a
+    zero-byte placeholder); the step is ``opt.zero_grad(set_to_none=True);
+    schedule.step(x on the first stage's rank, target=..., losses=[] on the last's,
+    return_outputs=False); opt.step()`` (AdamW over the rank's stages). Every rank holds the
+    inputs. What the stages and the schedule hold into the step (receive buffers) is
+    ``pipeline``, counted in the activation peak; no device mesh is built (the stages talk over
+    the default group)."""
+
+    schedule: str = "1F1B"
+    microbatches: int = 2
+    groups: Sequence[Sequence[int]] = ()
+
+
 # q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms and LM head stay replicated.
 # HF 5.24 LlamaAttention views projections as (*input_shape, -1, head_dim), so the local
 # head count follows the shard width and num_heads needs no per-rank adjustment.
@@ -228,6 +251,25 @@ def mlp_model(width: int = 64, hidden: int = 256, blocks: int = 4) -> nn.Module:
     """``Sequential`` of ``blocks`` x (Linear(width, hidden), GELU, Linear(hidden, width))."""
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, hidden), nn.GELU(),
                                          nn.Linear(hidden, width)) for _ in range(blocks)])
+
+
+class ResidualBlock(nn.Module):
+    """``x + fc2(gelu(fc1(x)))``, ``fc1`` four times as wide."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.act = nn.Linear(width, 4 * width), nn.GELU()
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+def residual_mlp(blocks: int = 8, width: int = 32, classes: int = 10) -> nn.Module:
+    """``Sequential`` of ``blocks`` residual blocks and a head ``Linear(width, classes)``: a
+    model a pipeline splits by its children."""
+    return nn.Sequential(*[ResidualBlock(width) for _ in range(blocks)],
+                         nn.Linear(width, classes))
 
 
 def mlp_inputs(batch: int = 8, width: int = 64) -> dict:
@@ -652,6 +694,85 @@ def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=N
     return result
 
 
+def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=None,
+                          optimizer_fn=None, warmup: int = 1, settle_s: float = 1e-3,
+                          rank: int = 0, world_size: int = 1) -> RankMemory:
+    """One steady-state step of pipeline rank ``rank`` (see :class:`Pipeline`); ``model``: a
+    list holding the whole model, emptied here (the other ranks' stages are dropped)."""
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import PipelineStage
+
+    loss_fn = loss_fn or default_loss
+    children = list(model.pop().children())
+    n = len(p.groups)
+    v_shape = p.schedule in ("ZBVZeroBubble", "DualPipeV")
+    ids = ([rank, n - 1 - rank] if v_shape else list(range(rank, n, world_size)))
+    x = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
+    with torch.no_grad():   # the boundary shapes, from one micro-batch
+        h, outs = x.tensor_split(p.microbatches)[0], []
+        ins = [torch.empty_like(h, device="meta")]
+        for g in p.groups:
+            for i in g:
+                h = children[i](h)
+            outs.append(torch.empty_like(h, device="meta"))
+        ins += outs[:-1]
+        del h
+    stages = [PipelineStage(nn.Sequential(*[children[i] for i in p.groups[s]]), s, n,
+                            torch.device("cpu"), input_args=ins[s].requires_grad_(s > 0),
+                            output_args=outs[s].requires_grad_(True)) for s in ids]
+    del children, g
+    model = nn.ModuleList([st.submod for st in stages])
+    cls = getattr(pipelining, "Schedule" + p.schedule)
+    sched = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=p.microbatches,
+                loss_fn=lambda out, target: loss_fn(out))
+    first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = (optimizer_fn or adamw)(params)
+
+    def one_step(counter=None):
+        ph = counter.set_phase if counter is not None else (lambda _: None)
+        ph("zero_grad")
+        opt.zero_grad(set_to_none=True)
+        ph("forward")
+        kw = dict(target=x.new_empty(p.microbatches, 0), losses=[]) if last else {}
+        sched.step(*((x,) if first else ()), return_outputs=False, **kw)
+        del kw
+        ph("step")
+        opt.step()
+        ph("end")
+        return None, None
+
+    for _ in range(warmup):
+        one_step()
+    def groups():
+        return [
+            ("parameters", list(model.parameters())),
+            ("gradients", [q.grad for q in params if q.grad is not None]),
+            ("optimizer_states", _optimizer_tensors(opt)),
+            ("buffers", list(model.buffers())),
+            ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
+            ("fsdp_internal", []),
+            ("previous", []),
+            ("pipeline", [t for t in _live_tensors() if id(t) not in owned]),
+            # not the constant torch.distributed.pipelining makes at import (sum_reducer's
+            # 4-byte initial loss), which every process that imports it holds
+            ("other", [t for t in _live_tensors() if t is not reducer]),
+        ]
+
+    def owned_ids():
+        return {id(t) for t in (*model.parameters(), *model.buffers(), *_optimizer_tensors(opt),
+                                *(q.grad for q in params if q.grad is not None),
+                                *(v for v in inputs.values() if isinstance(v, torch.Tensor)),
+                                reducer)}
+
+    from torch.distributed.pipelining.microbatch import sum_reducer
+    reducer = sum_reducer.init_value
+    owned = owned_ids()
+    figures = _counted_step(groups, one_step, settle_s)
+    return RankMemory(rank=rank, world_size=world_size, **figures,
+                      optimizer=_resolved_optimizer(opt))
+
+
 def _ds_fp32_partitions(zopt) -> list:
     """ZeRO's fp32 master partitions: stage 1/2 ``single_partition_of_fp32_groups``, stage 3
     ``fp32_partitioned_groups_flat``."""
@@ -880,6 +1001,8 @@ def _rank_main(rank: int, job: _Job):
             elif isinstance(job.strategy, FSDP2TP):
                 mesh = init_device_mesh("cpu", (job.strategy.dp, job.strategy.tp),
                                         mesh_dim_names=("dp", "tp"))
+            elif isinstance(job.strategy, Pipeline):
+                pass   # the stages talk over the default group: no mesh
             else:
                 mesh = init_device_mesh("cpu", (job.world_size,))
         torch.manual_seed(job.seed)  # same weights and inputs on every rank
@@ -898,7 +1021,14 @@ def _rank_main(rank: int, job: _Job):
             st = job.strategy
             model = _apply_tp(model, mesh["tp"], TP(plan=st.plan))
             model = _apply_fsdp2(model, mesh["dp"], st.fsdp or FSDP2())
-        if isinstance(job.strategy, DeepSpeed):
+        if isinstance(job.strategy, Pipeline):
+            box = [model]
+            del model   # the rank keeps its own stages only
+            r = measure_pipeline_step(box, inputs, job.strategy, loss_fn=job.loss_fn,
+                                      optimizer_fn=job.optimizer_fn, warmup=job.warmup,
+                                      settle_s=job.settle_s, rank=rank,
+                                      world_size=job.world_size)
+        elif isinstance(job.strategy, DeepSpeed):
             r = measure_deepspeed_step(
                 model, inputs, job.strategy.full_config(), loss_fn=job.loss_fn,
                 optimizer_fn=job.optimizer_fn, keep_outputs=job.keep_outputs, warmup=job.warmup,

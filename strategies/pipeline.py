@@ -1,0 +1,408 @@
+"""Pipeline parallelism with PyTorch's own ``torch.distributed.pipelining``, per pipeline rank.
+
+Each pipeline rank holds its own stages of the model and runs its part of the schedule: the
+activations of as many micro-batches as the schedule keeps in flight on that rank, the receive
+buffers of its stage inputs and output gradients, and the sends still held by their ``Work``.
+memsim does not model any of it with a formula: each rank's program is traced with PyTorch's
+own ``PipelineStage`` and schedule classes on a fake process group of ``pp`` ranks, as the real
+rank runs them (:class:`PipelineDriver`), so ranks differ where their schedules differ.
+
+The program traced per rank (and measured against real gloo runs in
+``tests/test_pipeline.py``)::
+
+    stages = [PipelineStage(stage_module, s, n_stages, device, input_args=..., output_args=...)]
+    schedule = Schedule1F1B(stages[0], n_microbatches=M, loss_fn=lambda out, target: loss(out))
+    opt.zero_grad(set_to_none=True)
+    schedule.step(x if first else nothing, target=placeholder, losses=[] if last,
+                  return_outputs=False)
+    opt.step()
+
+The model is an ``nn.Sequential``; its children are split into ``pp`` stages (``pp`` x 2 for
+the interleaved and V schedules: stage ``s`` on rank ``s % pp``, or ``r`` and ``2 pp - 1 - r``
+for the V schedules), as evenly as the children allow, earlier stages taking one more where
+they do not divide (``split`` names each stage's first child instead). The loss is the step's
+loss function of the last stage's output, per micro-batch (its target is a zero-byte
+placeholder). The batch dimension of the inputs is split into ``microbatches`` chunks, so its
+symbol is traced at multiples of ``microbatches`` (its formulas hold there). Every rank holds
+the step's inputs, as a data loader on every rank does. The warm-up vote of the schedules
+(whose first step compares shapes across ranks) is answered as every rank of a real run
+answers it: static shapes, given here from the stages' boundary shapes.
+
+>>> PipelineParallel(pp=4, schedule="1F1B").stage_ids(3)
+([3], 4)
+>>> PipelineParallel(pp=2, schedule="ZBVZeroBubble", microbatches=4).stage_ids(0)
+([0, 3], 4)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from memsim.tracer import Category, Driver, StrategyError, UsageError
+
+from .base import Ranks, Strategy, register_strategy
+
+__all__ = ["PipelineParallel", "PipelineDriver", "SCHEDULES"]
+
+# torch.distributed.pipelining's schedules: one stage per rank, several looped over the ranks,
+# two per rank in a V
+SINGLE = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
+LOOPED = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "LoopedBFS": "ScheduleLoopedBFS",
+          "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble"}
+VSHAPE = {"ZBVZeroBubble": "ScheduleZBVZeroBubble", "DualPipeV": "ScheduleDualPipeV"}
+SCHEDULES = {**SINGLE, **LOOPED, **VSHAPE}
+
+
+@register_strategy
+@dataclass(frozen=True)
+class PipelineParallel(Strategy):
+    """``torch.distributed.pipelining`` over ``pp`` ranks with schedule ``schedule`` and
+    ``microbatches`` micro-batches per step (default: ``pp``)."""
+
+    key: ClassVar[str] = "pp"
+    order: ClassVar[int] = 55
+    axis: ClassVar[str] = "pp"
+    flags: ClassVar[tuple[str, ...]] = ("--pp",)
+    pp: int
+    schedule: str = "1F1B"
+    microbatches: int | None = None
+    split: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.pp, int) or self.pp < 1:
+            raise StrategyError(f"pipeline parallelism pp={self.pp!r} must be an int >= 1",
+                                hint="--pp N: the number of pipeline ranks")
+        if self.schedule not in SCHEDULES:
+            raise StrategyError(f"unknown pipeline schedule {self.schedule!r}",
+                                hint="--pp-schedule one of " + ", ".join(SCHEDULES))
+        m = self.micro
+        if not isinstance(m, int) or m < 1:
+            raise StrategyError(f"microbatches={m!r} must be an int >= 1",
+                                hint="--microbatches M: micro-batches per step")
+        need = self.fewest_microbatches()
+        if m < need:
+            # torch's schedule refuses it at construction
+            raise StrategyError(
+                f"{self.schedule} over --pp {self.pp} needs at least {need} micro-batches "
+                f"(one per stage); got --microbatches {m}",
+                hint=f"--microbatches {need} or more, or --pp-schedule GPipe")
+        rounds = max(1, m // self.pp)
+        if self.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
+            # torch's looped schedules run the micro-batches in rounds of equal size
+            raise StrategyError(
+                f"{self.schedule} runs --microbatches in rounds of equal size: {m} over --pp "
+                f"{self.pp} does not split into {rounds} rounds",
+                hint=f"--microbatches {self.pp * rounds} (a multiple of --pp)")
+        if self.split is not None:
+            object.__setattr__(self, "split", tuple(self.split))
+
+    def fewest_microbatches(self) -> int:
+        """The fewest micro-batches torch's schedule accepts: one per stage for 1F1B and
+        DualPipeV, one otherwise."""
+        return {"1F1B": self.pp, "DualPipeV": 2 * self.pp}.get(self.schedule, 1)
+
+    @property
+    def micro(self) -> int:
+        return self.microbatches if self.microbatches is not None else self.pp
+
+    @property
+    def stages(self) -> int:
+        """Stages in all: one per rank, two per rank for the looped and V schedules."""
+        return self.pp * (1 if self.schedule in SINGLE else 2)
+
+    def stage_ids(self, rank: int) -> tuple[list[int], int]:
+        """The stages rank ``rank`` holds, and the number of stages."""
+        if self.schedule in SINGLE:
+            return [rank], self.pp
+        if self.schedule in LOOPED:
+            return [rank, rank + self.pp], 2 * self.pp
+        return [rank, 2 * self.pp - 1 - rank], 2 * self.pp
+
+    @classmethod
+    def add_options(cls, group) -> None:
+        group.add_argument("--pp", type=int, metavar="N",
+                           help="pipeline parallelism over N ranks (torch.distributed.pipelining; "
+                                "an nn.Sequential model)")
+        group.add_argument("--pp-schedule", metavar="NAME",
+                           help="pipeline schedule: " + ", ".join(SCHEDULES) + " (default 1F1B)")
+        group.add_argument("--microbatches", type=int, metavar="M",
+                           help="micro-batches per pipeline step (default: --pp)")
+        group.add_argument("--pp-split", metavar="CHILD,CHILD",
+                           help="the first child of each pipeline stage after the first "
+                                "(default: an even split)")
+
+    @classmethod
+    def from_options(cls, opts, step):
+        if opts.pp is None:
+            for flag, v in (("--pp-schedule", opts.pp_schedule), ("--microbatches",
+                            opts.microbatches), ("--pp-split", opts.pp_split)):
+                if v is not None:
+                    raise UsageError(f"{flag} is a pipeline-parallel option", hint="add --pp N")
+            return None
+        return cls(pp=opts.pp, schedule=opts.pp_schedule or "1F1B",
+                   microbatches=opts.microbatches,
+                   split=tuple(opts.pp_split.split(",")) if opts.pp_split else None)
+
+    @classmethod
+    def summary(cls, d) -> str:
+        return (f"pipeline pp={d['pp']} ({d['schedule']}, "
+                f"{d['microbatches'] or d['pp']} micro-batches)")
+
+    def describe(self):
+        out = super().describe()
+        out["microbatches"] = self.micro
+        return out
+
+    def for_inputs(self, config, inputs):
+        """The batch symbol traced at multiples of the micro-batch count (each micro-batch the
+        same size, as ``tensor_split`` makes them where the count divides the batch)."""
+        name, dim = _batch_dim(inputs)
+        m = self.micro
+        if isinstance(dim, int):
+            if dim % m:
+                raise StrategyError(
+                    f"input {name!r}'s batch of {dim} does not split into --microbatches {m}",
+                    hint=f"a batch that {m} divides, or --microbatches dividing {dim}")
+            return config
+        if m == 1 or config.multiples.get(dim, 1) % m == 0:
+            return config
+        step = config.multiples.get(dim, 1)
+        step = step * m // __import__("math").gcd(step, m)
+        return config.replace(multiples={**config.multiples, dim: step})
+
+    def validate(self, given, config) -> None:
+        others = [k for k in given if k not in (self.key, "checkpoint")]
+        if others:
+            raise StrategyError(
+                f"pipeline parallelism does not combine with {', '.join(others)} yet",
+                hint="--pp alone (with activation checkpointing or not)")
+
+    def apply(self, plan):
+        model = plan.model
+        groups = self.groups(model)
+        pp = self
+
+        def note(info):
+            sizes = ", ".join(str(len(g)) for g in groups)
+            yield (f"per-rank figures, traced with PyTorch's own torch.distributed.pipelining "
+                   f"({pp.schedule}, {pp.micro} micro-batches, {pp.stages} stages of "
+                   f"{sizes} children of the model) on a fake process group of {pp.pp}; every "
+                   f"rank traced; the figures shown are rank {info.shown}'s, the largest peak "
+                   "at the example sizes; \"ranks\" lists them all; the inference figures are "
+                   "the plain forward of the whole model")
+
+        return plan.but(driver=lambda rank: PipelineDriver(self, rank, groups),
+                        ranks=Ranks(world=self.pp, sampled=tuple(range(self.pp)),
+                                    classes=tuple((r,) for r in range(self.pp))),
+                        notes=(note,))
+
+    def groups(self, model: nn.Module) -> list[list[int]]:
+        """The children of ``model`` (by position) of each stage."""
+        if not isinstance(model, nn.Sequential):
+            raise StrategyError(
+                f"pipeline parallelism splits an nn.Sequential into stages; "
+                f"{type(model).__name__} is not one",
+                hint="give the model as an nn.Sequential of its stages' pieces (embedding, "
+                     "blocks, head)")
+        names = list(model._modules)
+        n, k = len(names), self.stages
+        if n < k:
+            raise StrategyError(
+                f"{self.schedule} over --pp {self.pp} needs {k} stages and the model has "
+                f"{n} children to split",
+                hint=f"--pp {max(1, n // (k // self.pp))} or fewer, or a model of more children")
+        if self.split is None:
+            per, extra = divmod(n, k)
+            bounds, at = [], 0
+            for s in range(k):
+                bounds.append(at)
+                at += per + (1 if s < extra else 0)
+        else:
+            unknown = [c for c in self.split if c not in names]
+            if unknown:
+                raise StrategyError(f"--pp-split names {', '.join(unknown)}, not a child of the "
+                                    "model", hint="children: " + ", ".join(names))
+            bounds = [0] + [names.index(c) for c in self.split]
+            if len(bounds) != k or bounds != sorted(set(bounds)) or bounds[1] == 0:
+                raise StrategyError(
+                    f"--pp-split needs {k - 1} children in order, the first child of each "
+                    f"stage after the first ({self.schedule} over --pp {self.pp}: {k} stages)",
+                    hint="children: " + ", ".join(names))
+        ends = bounds[1:] + [n]
+        return [list(range(a, b)) for a, b in zip(bounds, ends)]
+
+
+def _batch_dim(inputs) -> tuple[str, int | str]:
+    """The first tensor input's name and its batch dimension (a symbol's name or a size)."""
+    from memsim.tracer import is_tensor_spec, make_spec
+    for name, value in inputs.items():
+        if is_tensor_spec(value):
+            shape = make_spec(name, value).shape
+            if shape:
+                return name, shape[0]
+    raise StrategyError("pipeline parallelism splits the first tensor input's first dimension "
+                        "into micro-batches; no input has one",
+                        hint="give the batch as the first dimension of an input")
+
+
+class PipelineDriver(Driver):
+    """One pipeline rank: its stages, the schedule, the optimizer over its stages' parameters
+    (see the module docstring)."""
+
+    warmup = 1
+    owns_backward = True
+
+    def __init__(self, pp: PipelineParallel, rank: int, groups: list[list[int]]):
+        self.pp, self.rank, self.groups = pp, rank, groups
+        self.ids, self.n = pp.stage_ids(rank)
+        self.schedule = self.optimizer = None
+        self.params: list = []
+
+    @contextlib.contextmanager
+    def context(self):
+        from torch.distributed.pipelining import schedules
+        from torch.distributed.pipelining._utils import InferenceMode
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+        from memsim.tracer.recorder import patched
+
+        def vote(orig):
+            # every rank of a real run agrees on static shapes (input_args given): the vote's
+            # receives and .item() are not traced
+            def _warmup_p2p(self, stages, has_backward, p2p_done):
+                for st in stages:
+                    st._inference_mode = InferenceMode.STATIC
+            return _warmup_p2p
+
+        def held(orig):
+            # gloo's Work keeps the tensor of its send or receive until the Work is dropped;
+            # the fake group's does not
+            def _batch_p2p(p2p_ops, desc=None):
+                works = orig(p2p_ops, desc)
+                if len(works) == len(p2p_ops):
+                    return [_HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]
+                if works:
+                    return [_HeldWork(works[0], [op.tensor for op in p2p_ops])] + works[1:]
+                return works
+            return _batch_p2p
+
+        with patched(_PipelineSchedule, "_warmup_p2p", vote), \
+                patched(schedules, "_batch_p2p", held):
+            yield
+
+    def prepare(self, model, recorder):
+        # the stages this rank does not hold leave the run's model before its parameters are
+        # made: kept aside (on the meta device) for the stages' boundary shapes only
+        keep = {i for s in self.ids for i in self.groups[s]}
+        self.children = list(model._modules.values())
+        self.recorder = recorder
+        for i, name in enumerate(list(model._modules)):
+            if i not in keep:
+                model._modules[name] = nn.Identity()
+
+    def setup(self, model, params, optimizer):
+        from .mesh import process_group
+
+        process_group(self.pp.pp, self.rank)
+        self.model = model
+        self.optimizer_factory = optimizer
+        self._built = False
+        return self._call
+
+    def _build(self, first_input):
+        """The stages and the schedule, once the first input is known (its micro-batch gives
+        each stage's boundary shapes)."""
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        from memsim.tracer.run_context import fake_module
+
+        pp, held = self.pp, list(self.model._modules.values())
+        keep = {i for s in self.ids for i in self.groups[s]}
+        run = [held[i] if i in keep else c for i, c in enumerate(self.children)]
+        elsewhere = nn.ModuleList([c for i, c in enumerate(self.children) if i not in keep])
+        # the boundary shapes: every stage's output for one micro-batch, without autograd and
+        # unrecorded (a real rank receives them from its neighbours)
+        with self.recorder.paused(), torch.no_grad(), \
+                fake_module(elsewhere, str(first_input.device)):
+            mb = first_input.tensor_split(pp.micro)[0]
+            h, outs = mb, []
+            for g in self.groups:
+                for i in g:
+                    h = run[i](h)
+                outs.append(torch.empty_like(h, device="meta"))
+            ins = [torch.empty_like(mb, device="meta")] + outs[:-1]
+            del h, mb
+        self.children = None
+        stages = []
+        for s in self.ids:
+            mod = nn.Sequential(*[held[i] for i in self.groups[s]])
+            stages.append(PipelineStage(
+                mod, s, self.n, first_input.device,
+                input_args=ins[s].requires_grad_(s > 0),
+                output_args=outs[s].requires_grad_(True)))
+        self.stages = stages
+        self.params = [p for st in stages for p in st.submod.parameters() if p.requires_grad]
+        self.optimizer = self.optimizer_factory(self.params)
+        cls = getattr(pipelining, SCHEDULES[pp.schedule])
+        loss = self.loss_fn
+
+        def loss_fn(out, target):
+            return loss(out)
+        self.schedule = cls(stages[0] if pp.schedule in SINGLE else stages,
+                            n_microbatches=pp.micro, loss_fn=loss_fn)
+        self.first = any(st.is_first for st in stages)
+        self.last = any(st.is_last for st in stages)
+
+    def _call(self, **inputs):
+        x = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
+        if not self._built:
+            self._build(x)
+            self._built = True
+        kw = {}
+        if self.last:
+            kw = dict(target=x.new_empty(self.pp.micro, 0), losses=[])
+        self.schedule.step(*((x,) if self.first else ()), return_outputs=False, **kw)
+        return None
+
+    def backward(self, loss):
+        pass
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def label(self, recorder):
+        for p in self.params:
+            recorder.set_category(p, Category.PARAMETER)
+        self.label_gradients(recorder)   # the warm-up step's, alive until zero_grad
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    recorder.set_category(v, Category.OPTIMIZER_STATE)
+
+    def label_gradients(self, recorder):
+        for p in self.params:
+            if p.grad is not None:
+                recorder.set_category(p.grad, Category.GRADIENT)
+
+
+class _HeldWork:
+    """A fake ``Work`` that keeps its P2P tensors alive, as gloo's does."""
+
+    def __init__(self, work, tensors):
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *a, **k):
+        return self.work.wait(*a, **k)
+
+    def is_completed(self):
+        return self.work.is_completed()

@@ -1,0 +1,113 @@
+"""Pipeline parallelism (memsim.strategies.pipeline): every pipeline rank against a real
+multi-process gloo run of the same program (tests/support/oracles/dist.py's Pipeline), and the
+errors that come before any trace."""
+
+import functools
+
+import pytest
+import torch
+
+from memsim.strategies import FSDP, PipelineParallel, analyze
+from memsim.tracer import StrategyError
+from tests.support.oracles import dist
+
+WIDTH = 32
+INPUTS = {"input": ("float32", ["B", WIDTH])}
+
+
+def _model(blocks=8):
+    with torch.device("meta"):
+        return dist.residual_mlp(blocks, WIDTH)
+
+
+def _rank_report(report, rank):
+    return next((rc.report for rc in report.ranks if rank in rc.ranks), report)
+
+
+@pytest.mark.parametrize("schedule, world, micro, split, groups, sizes", [
+    # fewer micro-batches than stages; the default split: 9 children over 2 stages
+    ("GPipe", 2, 1, None, [[0, 1, 2, 3, 4], [5, 6, 7, 8]], (3, 10)),
+    # as many, and the head's stage one child longer
+    ("1F1B", 2, 2, ("4",), [[0, 1, 2, 3], [4, 5, 6, 7, 8]], (8, 24)),
+    # two stages per rank, looped
+    ("Interleaved1F1B", 2, 4, ("2", "4", "6"), [[0, 1], [2, 3], [4, 5], [6, 7, 8]], (16,)),
+    # zero bubble, two stages per rank in a V (stages 0 and 3 on rank 0)
+    ("ZBVZeroBubble", 2, 2, None, [[0, 1, 2], [3, 4], [5, 6], [7, 8]], (8,)),
+    ("DualPipeV", 2, 4, None, [[0, 1, 2], [3, 4], [5, 6], [7, 8]], (8,)),
+    # four ranks, micro-batches equal to twice the stages
+    ("1F1B", 4, 8, ("2", "4", "6"), [[0, 1], [2, 3], [4, 5], [6, 7, 8]], (32,)),
+])
+def test_every_pipeline_rank_equals_a_real_gloo_run(schedule, world, micro, split, groups,
+                                                     sizes):
+    pp = PipelineParallel(pp=world, schedule=schedule, microbatches=micro, split=split)
+    report = analyze(_model(), INPUTS, device="cpu", pp=pp)
+    assert pp.groups(_model()) == groups
+    assert sorted(r for rc in report.ranks for r in rc.ranks) == list(range(world))
+    for b in sizes:
+        real = dist.measure(functools.partial(dist.residual_mlp, 8, WIDTH),
+                            functools.partial(dist.mlp_inputs, b, WIDTH),
+                            strategy=dist.Pipeline(schedule, micro, groups), world_size=world)
+        for rank, m in enumerate(real):
+            got = _rank_report(report, rank).at(B=b)["train"]
+            assert m.other == 0 and m.pipeline > 0, m.other_detail   # receive buffers
+            assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"],
+                    got["activation_peak"]) == (m.peak, m.parameters, m.gradients,
+                                                m.optimizer_states, m.activation_peak), (rank, b)
+
+
+def test_a_rank_holds_only_its_own_stages():
+    report = analyze(_model(), INPUTS, device="cpu",
+                     pp=PipelineParallel(pp=2, schedule="GPipe", microbatches=2))
+    block = sum(p.numel() for p in dist.ResidualBlock(WIDTH).parameters()) * 4
+    head = (WIDTH * 10 + 10) * 4
+    assert _rank_report(report, 0).at(B=4)["train"]["parameters"] == 5 * block
+    assert _rank_report(report, 1).at(B=4)["train"]["parameters"] == 3 * block + head
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: PipelineParallel(pp=2, schedule="Zigzag"), "unknown pipeline schedule"),
+    (lambda: PipelineParallel(pp=2, schedule="Interleaved1F1B", microbatches=5),
+     "5 over --pp 2 does not split into 2 rounds"),
+    (lambda: PipelineParallel(pp=2, schedule="DualPipeV", microbatches=3), "at least 4"),
+    (lambda: PipelineParallel(pp=0), "pp=0"),
+    (lambda: PipelineParallel(pp=4, schedule="1F1B", microbatches=2), "at least 4"),
+])
+def test_bad_pipeline_settings_are_named(make, words):
+    with pytest.raises(StrategyError, match=words):
+        make()
+
+
+@pytest.mark.parametrize("model, inputs, options, words", [
+    (lambda: torch.nn.Linear(4, 4), {"input": ("float32", ["B", 4])}, {},
+     "Linear is not one"),
+    (lambda: _model(2), INPUTS, dict(schedule="Interleaved1F1B"), "needs 4 stages"),
+    (_model, INPUTS, dict(split=("4", "zz")), "zz, not a child"),
+    (_model, {"input": ("float32", [6, WIDTH])}, dict(microbatches=4),
+     "batch of 6 does not split"),
+])
+def test_a_model_or_batch_the_pipeline_cannot_split_is_named(model, inputs, options, words):
+    with torch.device("meta"):
+        m = model()
+    with pytest.raises(StrategyError, match=words):
+        analyze(m, inputs, device="cpu", pp=PipelineParallel(pp=2, **options))
+
+
+def test_pipeline_does_not_combine_with_data_parallelism_yet():
+    with pytest.raises(StrategyError, match="does not combine with fsdp"):
+        analyze(_model(), INPUTS, device="cpu", pp=PipelineParallel(pp=2), fsdp=FSDP(dp=2))
+
+
+def test_checkpointed_blocks_in_pipeline_stages_equal_a_real_run():
+    blocks = ["1", "5"]    # one block in each rank's stage
+    pp = PipelineParallel(pp=2, schedule="1F1B", microbatches=2)
+    report = analyze(_model(), INPUTS, device="cpu", pp=pp, checkpoint=blocks)
+    plain = analyze(_model(), INPUTS, device="cpu", pp=pp)
+    real = dist.measure(functools.partial(dist.with_checkpointing,
+                                          functools.partial(dist.residual_mlp, 8, WIDTH), blocks),
+                        functools.partial(dist.mlp_inputs, 8, WIDTH),
+                        strategy=dist.Pipeline("1F1B", 2, pp.groups(_model())), world_size=2)
+    for rank, m in enumerate(real):
+        got = _rank_report(report, rank).at(B=8)["train"]
+        assert (got["peak"], got["activation_peak"]) == (m.peak, m.activation_peak)
+    assert _rank_report(report, 0).at(B=8)["train"]["activation_peak"] < \
+        _rank_report(plain, 0).at(B=8)["train"]["activation_peak"]
