@@ -527,6 +527,19 @@ MUTATIONS: list[Mutation] = [
              "                at += per + (1 if s >= k - extra else 0)",
              ("tests/test_pipeline.py",),
              "the children that do not divide given to the last stages"),
+    Mutation("pp-decoder-loss-of-the-logits", "strategies/pipeline.py",
+             "            if target is None:\n                return loss_fn(out)",
+             "            if True:\n                return loss_fn(out)",
+             ("tests/test_pipeline.py::"
+              "test_a_hugging_face_decoder_by_its_layers_equals_a_real_gloo_run",),
+             "a decoder's last stage taking the loss of its logits, not its own loss of the "
+             "labels"),
+    Mutation("pp-decoder-embeddings-on-every-rank", "strategies/pipeline.py",
+             "        if 0 not in ids:\n            base.embed_tokens = nn.Identity()",
+             "        if False:\n            base.embed_tokens = nn.Identity()",
+             ("tests/test_pipeline.py::"
+              "test_a_hugging_face_decoder_by_its_layers_equals_a_real_gloo_run",),
+             "every pipeline rank holding the decoder's embeddings"),
     Mutation("pp-batch-not-split-evenly", "strategies/pipeline.py",
              "        return config.replace(multiples={**config.multiples, dim: step})",
              "        return config",

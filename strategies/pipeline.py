@@ -183,39 +183,49 @@ class PipelineParallel(Strategy):
                 hint="--pp alone (with activation checkpointing or not)")
 
     def apply(self, plan):
-        model = plan.model
-        groups = self.groups(model)
+        split = self.splitter(plan.model)
         pp = self
 
         def note(info):
-            sizes = ", ".join(str(len(g)) for g in groups)
+            sizes = ", ".join(str(len(g)) for g in split.groups)
             yield (f"per-rank figures, traced with PyTorch's own torch.distributed.pipelining "
                    f"({pp.schedule}, {pp.micro} micro-batches, {pp.stages} stages of "
-                   f"{sizes} children of the model) on a fake process group of {pp.pp}; every "
+                   f"{sizes} {split.what}) on a fake process group of {pp.pp}; every "
                    f"rank traced; the figures shown are rank {info.shown}'s, the largest peak "
                    "at the example sizes; \"ranks\" lists them all; the inference figures are "
                    "the plain forward of the whole model")
 
-        return plan.but(driver=lambda rank: PipelineDriver(self, rank, groups),
+        return plan.but(driver=lambda rank: PipelineDriver(self, rank, split),
                         ranks=Ranks(world=self.pp, sampled=tuple(range(self.pp)),
                                     classes=tuple((r,) for r in range(self.pp))),
                         notes=(note,))
 
+    def splitter(self, model: nn.Module) -> "_Sequential | _Decoder":
+        """How ``model`` splits into stages: a Hugging Face decoder LM by its layers, an
+        ``nn.Sequential`` by its children."""
+        if _Decoder.fits(model):
+            return _Decoder(model, self)
+        if isinstance(model, nn.Sequential):
+            return _Sequential(model, self)
+        raise StrategyError(
+            f"pipeline parallelism splits an nn.Sequential by its children or a Hugging Face "
+            f"decoder LM with a pipeline plan by its layers; {type(model).__name__} is neither",
+            hint="give the model as an nn.Sequential of its stages' pieces (embedding, blocks, "
+                 "head)")
+
     def groups(self, model: nn.Module) -> list[list[int]]:
-        """The children of ``model`` (by position) of each stage."""
-        if not isinstance(model, nn.Sequential):
-            raise StrategyError(
-                f"pipeline parallelism splits an nn.Sequential into stages; "
-                f"{type(model).__name__} is not one",
-                hint="give the model as an nn.Sequential of its stages' pieces (embedding, "
-                     "blocks, head)")
-        names = list(model._modules)
+        """The pieces of ``model`` (children or layers, by position) of each stage."""
+        return self.splitter(model).groups
+
+    def bounds(self, names: list[str], what: str) -> list[list[int]]:
+        """``names`` (the pieces, in order) split into the stages: as evenly as they allow,
+        earlier stages one longer where they do not divide, or at :attr:`split`."""
         n, k = len(names), self.stages
         if n < k:
             raise StrategyError(
                 f"{self.schedule} over --pp {self.pp} needs {k} stages and the model has "
-                f"{n} children to split",
-                hint=f"--pp {max(1, n // (k // self.pp))} or fewer, or a model of more children")
+                f"{n} {what} to split",
+                hint=f"--pp {max(1, n // (k // self.pp))} or fewer, or a model of more {what}")
         if self.split is None:
             per, extra = divmod(n, k)
             bounds, at = [], 0
@@ -225,16 +235,179 @@ class PipelineParallel(Strategy):
         else:
             unknown = [c for c in self.split if c not in names]
             if unknown:
-                raise StrategyError(f"--pp-split names {', '.join(unknown)}, not a child of the "
-                                    "model", hint="children: " + ", ".join(names))
+                raise StrategyError(f"--pp-split names {', '.join(unknown)}, not one of the "
+                                    f"model's {what}", hint=f"{what}: " + ", ".join(names))
             bounds = [0] + [names.index(c) for c in self.split]
             if len(bounds) != k or bounds != sorted(set(bounds)) or bounds[1] == 0:
                 raise StrategyError(
-                    f"--pp-split needs {k - 1} children in order, the first child of each "
-                    f"stage after the first ({self.schedule} over --pp {self.pp}: {k} stages)",
-                    hint="children: " + ", ".join(names))
+                    f"--pp-split needs {k - 1} of the model's {what} in order, the first of "
+                    f"each stage after the first ({self.schedule} over --pp {self.pp}: {k} "
+                    "stages)", hint=f"{what}: " + ", ".join(names))
         ends = bounds[1:] + [n]
         return [list(range(a, b)) for a, b in zip(bounds, ends)]
+
+
+class _Sequential:
+    """An ``nn.Sequential`` split by its children; the loss is the step's, of the output."""
+
+    what = "children of the model"
+
+    def __init__(self, model: nn.Sequential, pp: PipelineParallel):
+        self.groups = pp.bounds(list(model._modules), "children")
+        self.pp = pp
+
+    def inputs(self, inputs: dict):
+        return next(v for v in inputs.values() if isinstance(v, torch.Tensor)), None
+
+    def prepare(self, model, ids) -> None:
+        keep = {i for s in ids for i in self.groups[s]}
+        self.children = list(model._modules.values())
+        for i, name in enumerate(list(model._modules)):
+            if i not in keep:
+                model._modules[name] = nn.Identity()
+
+    def build(self, model, ids, first_input, recorder):
+        """This rank's stage modules and every stage's input and output (meta tensors)."""
+        from memsim.tracer.run_context import fake_module
+
+        held = list(model._modules.values())
+        keep = {i for s in ids for i in self.groups[s]}
+        run = [held[i] if i in keep else c for i, c in enumerate(self.children)]
+        elsewhere = nn.ModuleList([c for i, c in enumerate(self.children) if i not in keep])
+        # the boundary shapes: every stage's output for one micro-batch, without autograd and
+        # unrecorded (a real rank receives them from its neighbours)
+        with recorder.paused(), torch.no_grad(), \
+                fake_module(elsewhere, str(first_input.device)):
+            mb = first_input.tensor_split(self.pp.micro)[0]
+            h, outs = mb, []
+            for g in self.groups:
+                for i in g:
+                    h = run[i](h)
+                outs.append(torch.empty_like(h, device="meta"))
+            ins = [torch.empty_like(mb, device="meta")] + outs[:-1]
+            del h, mb
+        self.children = None
+        return [nn.Sequential(*[held[i] for i in self.groups[s]]) for s in ids], ins, outs
+
+    def loss(self, stages, loss_fn):
+        def loss_of(out, target):
+            return loss_fn(out)
+        return loss_of
+
+
+class _Decoder:
+    """A Hugging Face decoder LM split by its layers, with the pipeline plan its config
+    declares (``base_model_pp_plan``: embeddings, layers, norm; the head): the embeddings on
+    the first stage, the final norm, the head and the loss on the last, as torchtitan splits.
+    A stage runs the model's own forward on the layers it holds (``inputs_embeds`` after the
+    first); the last stage's loss is the model's own ``loss_function`` of the logits and the
+    ``labels`` input, per micro-batch."""
+
+    def __init__(self, model, pp: PipelineParallel):
+        self.pp = pp
+        self.prefix = model.base_model_prefix
+        base = getattr(model, self.prefix)
+        self.names = [f"{self.prefix}.layers.{i}" for i in range(len(base.layers))]
+        self.groups = pp.bounds(self.names, "layers")
+        self.what = (f"layers of {type(model).__name__}, the embeddings on the first stage, "
+                     "the final norm, head and loss on the last")
+
+    @staticmethod
+    def fits(model) -> bool:
+        config = getattr(model, "config", None)
+        plan = getattr(config, "base_model_pp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", None)
+        base = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+        return (isinstance(base, nn.Module) and {"embed_tokens", "layers", "norm"} <= set(plan)
+                and "lm_head" in (getattr(model, "_pp_plan", None) or {})
+                and isinstance(getattr(base, "layers", None), nn.ModuleList))
+
+    def inputs(self, inputs: dict):
+        extra = [k for k, v in inputs.items() if isinstance(v, torch.Tensor)
+                 and k not in ("input_ids", "labels")]
+        if "input_ids" not in inputs or extra:
+            raise StrategyError(
+                "a pipeline over a Hugging Face decoder takes input_ids (and labels for the "
+                "loss)" + (f"; not {', '.join(extra)}" if extra else ""),
+                hint="--input input_ids=int64[B,S] --input labels=int64[B,S]")
+        return inputs["input_ids"], inputs.get("labels")
+
+    def _parts(self, lm, first: bool, last: bool, layers: list) -> nn.Module:
+        """A shallow copy of ``lm`` holding ``layers`` and only the ends the stage holds."""
+        import copy
+
+        base = copy.copy(getattr(lm, self.prefix))
+        base._modules = dict(base._modules)
+        base.layers = nn.ModuleList(layers)
+        if not first:
+            base.embed_tokens = nn.Identity()
+        if not last:
+            base.norm = nn.Identity()
+        out = copy.copy(lm)
+        out._modules = dict(out._modules)
+        setattr(out, self.prefix, base)
+        if not last:
+            out.lm_head = nn.Identity()
+        return out
+
+    def prepare(self, model, ids) -> None:
+        keep = sorted(i for s in ids for i in self.groups[s])
+        base = getattr(model, self.prefix)
+        base.layers = nn.ModuleList([base.layers[i] for i in keep])
+        self.kept = keep
+        if 0 not in ids:
+            base.embed_tokens = nn.Identity()
+        if self.pp.stages - 1 not in ids:
+            base.norm = nn.Identity()
+            model.lm_head = nn.Identity()
+
+    def build(self, model, ids, first_input, recorder):
+        held = dict(zip(self.kept, getattr(model, self.prefix).layers))
+        last = self.pp.stages - 1
+        stages = [_DecoderStage(self._parts(model, s == 0, s == last,
+                                            [held[i] for i in self.groups[s]]),
+                                self.prefix, s == 0, s == last) for s in ids]
+        # the boundary shapes: each of this rank's stages on one micro-batch, without
+        # autograd and unrecorded; a later stage's input is the hidden states
+        with recorder.paused(), torch.no_grad():
+            mb = first_input.tensor_split(self.pp.micro)[0]
+            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+            hidden = torch.empty(*mb.shape, model.config.hidden_size, dtype=dtype,
+                                 device="meta")
+            ins, outs = {}, {}
+            for s, st in zip(ids, stages):
+                x = mb if s == 0 else torch.empty_like(hidden, device=mb.device)
+                ins[s] = torch.empty_like(x, device="meta")
+                outs[s] = torch.empty_like(st(x), device="meta")
+            del mb, x
+        full_in = [ins.get(s, hidden) for s in range(self.pp.stages)]
+        full_out = [outs.get(s, hidden) for s in range(self.pp.stages)]
+        return stages, full_in, full_out
+
+    def loss(self, stages, loss_fn):
+        last = next((st for st in stages if st.last), None)
+
+        def loss_of(out, target):
+            if target is None:
+                return loss_fn(out)
+            lm = last.lm
+            return lm.loss_function(logits=out, labels=target, vocab_size=lm.config.vocab_size)
+        return loss_of
+
+
+class _DecoderStage(nn.Module):
+    """One stage of a decoder LM: its forward on the layers it holds; the logits on the last
+    stage, the hidden states before it."""
+
+    def __init__(self, lm, prefix: str, first: bool, last: bool):
+        super().__init__()
+        self.lm, self.prefix, self.first, self.last = lm, prefix, first, last
+
+    def forward(self, x):
+        kw = dict(input_ids=x) if self.first else dict(inputs_embeds=x)
+        if self.last:
+            return self.lm(**kw, use_cache=False).logits
+        return getattr(self.lm, self.prefix)(**kw, use_cache=False).last_hidden_state
 
 
 def _batch_dim(inputs) -> tuple[str, int | str]:
@@ -257,8 +430,9 @@ class PipelineDriver(Driver):
     warmup = 1
     owns_backward = True
 
-    def __init__(self, pp: PipelineParallel, rank: int, groups: list[list[int]]):
-        self.pp, self.rank, self.groups = pp, rank, groups
+    def __init__(self, pp: PipelineParallel, rank: int, split):
+        import copy
+        self.pp, self.rank, self.split = pp, rank, copy.copy(split)   # its own, per rank
         self.ids, self.n = pp.stage_ids(rank)
         self.schedule = self.optimizer = None
         self.params: list = []
@@ -297,13 +471,9 @@ class PipelineDriver(Driver):
 
     def prepare(self, model, recorder):
         # the stages this rank does not hold leave the run's model before its parameters are
-        # made: kept aside (on the meta device) for the stages' boundary shapes only
-        keep = {i for s in self.ids for i in self.groups[s]}
-        self.children = list(model._modules.values())
+        # made
         self.recorder = recorder
-        for i, name in enumerate(list(model._modules)):
-            if i not in keep:
-                model._modules[name] = nn.Identity()
+        self.split.prepare(model, self.ids)
 
     def setup(self, model, params, optimizer):
         from .mesh import process_group
@@ -320,53 +490,35 @@ class PipelineDriver(Driver):
         import torch.distributed.pipelining as pipelining
         from torch.distributed.pipelining import PipelineStage
 
-        from memsim.tracer.run_context import fake_module
-
-        pp, held = self.pp, list(self.model._modules.values())
-        keep = {i for s in self.ids for i in self.groups[s]}
-        run = [held[i] if i in keep else c for i, c in enumerate(self.children)]
-        elsewhere = nn.ModuleList([c for i, c in enumerate(self.children) if i not in keep])
-        # the boundary shapes: every stage's output for one micro-batch, without autograd and
-        # unrecorded (a real rank receives them from its neighbours)
-        with self.recorder.paused(), torch.no_grad(), \
-                fake_module(elsewhere, str(first_input.device)):
-            mb = first_input.tensor_split(pp.micro)[0]
-            h, outs = mb, []
-            for g in self.groups:
-                for i in g:
-                    h = run[i](h)
-                outs.append(torch.empty_like(h, device="meta"))
-            ins = [torch.empty_like(mb, device="meta")] + outs[:-1]
-            del h, mb
-        self.children = None
-        stages = []
-        for s in self.ids:
-            mod = nn.Sequential(*[held[i] for i in self.groups[s]])
-            stages.append(PipelineStage(
-                mod, s, self.n, first_input.device,
-                input_args=ins[s].requires_grad_(s > 0),
-                output_args=outs[s].requires_grad_(True)))
+        pp = self.pp
+        mods, ins, outs = self.split.build(self.model, self.ids, first_input, self.recorder)
+        stages = [PipelineStage(mod, s, self.n, first_input.device,
+                                input_args=ins[s].requires_grad_(
+                                    s > 0 and ins[s].is_floating_point()),
+                                output_args=outs[s].requires_grad_(True))
+                  for s, mod in zip(self.ids, mods)]
         self.stages = stages
-        self.params = [p for st in stages for p in st.submod.parameters() if p.requires_grad]
+        self.params = [p for st in stages for p in dict.fromkeys(st.submod.parameters())
+                       if p.requires_grad]
+        self.params = list(dict.fromkeys(self.params))
         self.optimizer = self.optimizer_factory(self.params)
         cls = getattr(pipelining, SCHEDULES[pp.schedule])
-        loss = self.loss_fn
-
-        def loss_fn(out, target):
-            return loss(out)
         self.schedule = cls(stages[0] if pp.schedule in SINGLE else stages,
-                            n_microbatches=pp.micro, loss_fn=loss_fn)
+                            n_microbatches=pp.micro,
+                            loss_fn=self.split.loss(mods, self.loss_fn))
         self.first = any(st.is_first for st in stages)
         self.last = any(st.is_last for st in stages)
 
     def _call(self, **inputs):
-        x = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
+        x, target = self.split.inputs(inputs)
         if not self._built:
             self._build(x)
             self._built = True
         kw = {}
         if self.last:
-            kw = dict(target=x.new_empty(self.pp.micro, 0), losses=[])
+            # without labels the loss is of the output alone: a zero-byte target
+            kw = dict(target=target if target is not None else x.new_empty(self.pp.micro, 0),
+                      losses=[])
         self.schedule.step(*((x,) if self.first else ()), return_outputs=False, **kw)
         return None
 

@@ -79,9 +79,9 @@ def test_bad_pipeline_settings_are_named(make, words):
 
 @pytest.mark.parametrize("model, inputs, options, words", [
     (lambda: torch.nn.Linear(4, 4), {"input": ("float32", ["B", 4])}, {},
-     "Linear is not one"),
+     "Linear is neither"),
     (lambda: _model(2), INPUTS, dict(schedule="Interleaved1F1B"), "needs 4 stages"),
-    (_model, INPUTS, dict(split=("4", "zz")), "zz, not a child"),
+    (_model, INPUTS, dict(split=("4", "zz")), "zz, not one of the model's children"),
     (_model, {"input": ("float32", [6, WIDTH])}, dict(microbatches=4),
      "batch of 6 does not split"),
 ])
@@ -111,3 +111,44 @@ def test_checkpointed_blocks_in_pipeline_stages_equal_a_real_run():
         assert (got["peak"], got["activation_peak"]) == (m.peak, m.activation_peak)
     assert _rank_report(report, 0).at(B=8)["train"]["activation_peak"] < \
         _rank_report(plain, 0).at(B=8)["train"]["activation_peak"]
+
+
+LM = {"input_ids": ("int64", ["B", "S"]), "labels": ("int64", ["B", "S"])}
+
+
+def _llama(layers=4):
+    with torch.device("meta"):
+        return dist.llama_model(attn="sdpa", layers=layers)
+
+
+@pytest.mark.parametrize("schedule, micro, split, points", [
+    # its layers split evenly, the embeddings on the first rank, norm, head and loss on the last
+    ("1F1B", 2, None, ({"B": 4, "S": 16}, {"B": 6, "S": 8})),
+    ("GPipe", 4, ("model.layers.3",), ({"B": 8, "S": 12},)),
+    # rank 0 holds the first stage (embeddings) and the last (head and loss) in a V
+    ("ZBVZeroBubble", 2, None, ({"B": 4, "S": 16},)),
+])
+def test_a_hugging_face_decoder_by_its_layers_equals_a_real_gloo_run(schedule, micro, split,
+                                                                      points):
+    pp = PipelineParallel(pp=2, schedule=schedule, microbatches=micro, split=split)
+    report = analyze(_llama(), LM, device="cpu", pp=pp)
+    assert "layers of LlamaForCausalLM" in " ".join(report.notes)
+    for pt in points:
+        real = dist.measure(functools.partial(dist.llama_model, "sdpa", 4),
+                            functools.partial(dist.llama_inputs, pt["B"], pt["S"]),
+                            strategy=dist.Pipeline(schedule, micro, pp.groups(_llama())),
+                            world_size=2)
+        for rank, m in enumerate(real):
+            got = _rank_report(report, rank).at(**pt)["train"]
+            assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"],
+                    got["activation_peak"]) == (m.peak, m.parameters, m.gradients,
+                                                m.optimizer_states, m.activation_peak), (rank, pt)
+
+
+def test_a_decoder_input_the_pipeline_does_not_pass_is_named():
+    with pytest.raises(StrategyError, match="not attention_mask"):
+        analyze(_llama(), {**LM, "attention_mask": ("int64", ["B", "S"])}, device="cpu",
+                pp=PipelineParallel(pp=2))
+    with pytest.raises(StrategyError, match="model.layers.9, not one of the model's layers"):
+        analyze(_llama(), LM, device="cpu",
+                pp=PipelineParallel(pp=2, split=("model.layers.9",)))

@@ -126,3 +126,26 @@ def test_fsdp2_mixed_precision_at_llama_7b_width():
     got = figures(report, B=2, S=512)["train"]
     assert _per_rank(real, got) == {got["peak"]} == {3_320_316_472}
     assert {r.peak_phase for r in real} == {"backward"}
+
+
+@pytest.mark.wide
+def test_pipeline_at_llama_7b_width():
+    """Two decoder layers of Llama-2-7B's shape over 2 pipeline ranks (1F1B, 2 micro-batches;
+    the embeddings and one layer on rank 0, one layer with the norm, head and loss on rank 1),
+    B=2, S=256: every figure of every rank equal (peaks 3,853,132,328 and 3,853,197,868 B;
+    about 60 s)."""
+    from memsim.strategies import PipelineParallel
+
+    factory = functools.partial(_llama_7b_width, layers=2, checkpointing=False)
+    pp = PipelineParallel(pp=2, schedule="1F1B", microbatches=2)
+    with torch.device("meta"):
+        groups = pp.groups(factory())
+    report = _predict(factory, LM, pp=pp)
+    real = O.measure(factory, functools.partial(O.llama_inputs, batch=2, seq=256, vocab=1000),
+                     strategy=O.Pipeline("1F1B", 2, groups), world_size=2)
+    for r in real:
+        rank = next(rc.report for rc in report.ranks if r.rank in rc.ranks)
+        got = figures(rank, B=2, S=256)["train"]
+        assert (r.peak, r.parameters, r.gradients, r.optimizer_states, r.activation_peak) == (
+            got["peak"], got["parameters"], got["gradients"], got["optimizer_states"],
+            got["activation_peak"]), r.rank

@@ -703,28 +703,43 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
     from torch.distributed.pipelining import PipelineStage
 
     loss_fn = loss_fn or default_loss
-    children = list(model.pop().children())
+    whole = model.pop()
     n = len(p.groups)
     v_shape = p.schedule in ("ZBVZeroBubble", "DualPipeV")
     ids = ([rank, n - 1 - rank] if v_shape else list(range(rank, n, world_size)))
     x = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
-    with torch.no_grad():   # the boundary shapes, from one micro-batch
-        h, outs = x.tensor_split(p.microbatches)[0], []
-        ins = [torch.empty_like(h, device="meta")]
-        for g in p.groups:
-            for i in g:
-                h = children[i](h)
-            outs.append(torch.empty_like(h, device="meta"))
-        ins += outs[:-1]
-        del h
-    stages = [PipelineStage(nn.Sequential(*[children[i] for i in p.groups[s]]), s, n,
-                            torch.device("cpu"), input_args=ins[s].requires_grad_(s > 0),
-                            output_args=outs[s].requires_grad_(True)) for s in ids]
-    del children, g
-    model = nn.ModuleList([st.submod for st in stages])
+    target = inputs.get("labels")
+    if hasattr(whole, "base_model_prefix"):   # a Hugging Face decoder LM, by its layers
+        mods, ins, outs = _decoder_stages(whole, p.groups, ids, x.tensor_split(p.microbatches)[0])
+
+        def stage_loss(out, target):
+            lm = next(m for m in mods if m.last).lm
+            return lm.loss_function(logits=out, labels=target, vocab_size=lm.config.vocab_size)
+    else:
+        children = list(whole.children())
+        with torch.no_grad():   # the boundary shapes, from one micro-batch
+            h, outs = x.tensor_split(p.microbatches)[0], []
+            ins = [torch.empty_like(h, device="meta")]
+            for g in p.groups:
+                for i in g:
+                    h = children[i](h)
+                outs.append(torch.empty_like(h, device="meta"))
+            ins += outs[:-1]
+            del h, g
+        mods = [nn.Sequential(*[children[i] for i in p.groups[s]]) for s in ids]
+        del children
+
+        def stage_loss(out, target):
+            return loss_fn(out)
+    del whole
+    stages = [PipelineStage(mod, s, n, torch.device("cpu"),
+                            input_args=ins[s].requires_grad_(s > 0 and ins[s].is_floating_point()),
+                            output_args=outs[s].requires_grad_(True))
+              for s, mod in zip(ids, mods)]
+    model = nn.ModuleList(mods)
     cls = getattr(pipelining, "Schedule" + p.schedule)
     sched = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=p.microbatches,
-                loss_fn=lambda out, target: loss_fn(out))
+                loss_fn=stage_loss)
     first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
     params = [q for q in model.parameters() if q.requires_grad]
     opt = (optimizer_fn or adamw)(params)
@@ -734,7 +749,8 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
         ph("zero_grad")
         opt.zero_grad(set_to_none=True)
         ph("forward")
-        kw = dict(target=x.new_empty(p.microbatches, 0), losses=[]) if last else {}
+        kw = dict(target=target if target is not None else x.new_empty(p.microbatches, 0),
+                  losses=[]) if last else {}
         sched.step(*((x,) if first else ()), return_outputs=False, **kw)
         del kw
         ph("step")
@@ -771,6 +787,53 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
     figures = _counted_step(groups, one_step, settle_s)
     return RankMemory(rank=rank, world_size=world_size, **figures,
                       optimizer=_resolved_optimizer(opt))
+
+
+class _DecoderStageModule(nn.Module):
+    """A decoder LM's stage: a copy of the model keeping its stage's layers (and its
+    embeddings on the first stage, its norm and head on the last), run by its own forward."""
+
+    def __init__(self, lm, layers, first, last):
+        super().__init__()
+        base = getattr(lm, lm.base_model_prefix)
+        base.layers = nn.ModuleList(layers)
+        if not first:
+            base.embed_tokens = nn.Identity()
+        if not last:
+            base.norm, lm.lm_head = nn.Identity(), nn.Identity()
+        self.lm, self.first, self.last = lm, first, last
+
+    def forward(self, x):
+        kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if self.last:
+            return self.lm(**kw, use_cache=False).logits
+        return getattr(self.lm, self.lm.base_model_prefix)(**kw, use_cache=False).last_hidden_state
+
+
+def _decoder_stages(lm, groups, ids, micro):
+    """Rank ``ids``' stage modules of a Hugging Face decoder LM, and every stage's input and
+    output shapes (meta), from one micro-batch of the whole model."""
+    import copy
+
+    with torch.no_grad():
+        base = getattr(lm, lm.base_model_prefix)
+        hidden = torch.empty_like(base(input_ids=micro, use_cache=False).last_hidden_state,
+                                  device="meta")
+        logits = torch.empty_like(lm(input_ids=micro, use_cache=False).logits, device="meta")
+    n = len(groups)
+    ins = [torch.empty_like(micro, device="meta")] + [hidden] * (n - 1)
+    outs = [hidden] * (n - 1) + [logits]
+    layers = list(base.layers)
+    mods = []
+    for s in ids:
+        shell = copy.copy(lm)
+        shell._modules = dict(lm._modules)
+        inner = copy.copy(base)
+        inner._modules = dict(base._modules)
+        setattr(shell, lm.base_model_prefix, inner)
+        mods.append(_DecoderStageModule(shell, [layers[i] for i in groups[s]], s == 0,
+                                        s == n - 1))
+    return mods, [t.clone() for t in ins], [t.clone() for t in outs]
 
 
 def _ds_fp32_partitions(zopt) -> list:
