@@ -360,8 +360,19 @@ def _replay_notes(r: Reserved | None, overheads: Overheads, limit: int | None,
     return out
 
 
+class _Steps:
+    """A report's symbol counted in steps of ``step``: its extent and multiples as
+    :func:`largest_fitting` reads them."""
+
+    def __init__(self, report, name: str, step: int):
+        lo, hi = report.extent.get(name, (2 * step, None))
+        self.symbols = report.symbols
+        self.extent = {name: (-(-lo // step), None if hi is None else hi // step)}
+        self.config = report.config.replace(multiples={})
+
+
 def largest_fitting(model: TotalModel, report, point: dict, name: str, usable: int, notes: list,
-           no_release: bool = False, memo: dict | None = None):
+           no_release: bool = False, memo: dict | None = None, scale: int = 1):
     """Largest integer value of symbol ``name`` whose total fits ``usable`` (others fixed);
     ``no_release``: and whose replay never releases the allocator's cache. ``memo`` keeps what
     each size probed showed (fits, fits without a release), so that the second search starts
@@ -374,13 +385,24 @@ def largest_fitting(model: TotalModel, report, point: dict, name: str, usable: i
     """
     if name not in report.symbols:
         return None
+    # a symbol traced at multiples of a step (--multiple-of, micro-batches of a pipeline) is
+    # searched over its multiples: sizes between them are padded or refused by the model
+    step = report.config.multiples.get(name, 1)
+    if step > 1:
+        lo, hi = report.extent.get(name, (2 * step, None))
+        counts = {v // step: m for v, m in (memo or {}).items() if v % step == 0}
+        found = largest_fitting(model, _Steps(report, name, step), point, name, usable, notes,
+                                no_release, counts, step)
+        if memo is not None:
+            memo.update({c * step: m for c, m in counts.items()})
+        return found * step if found is not None else None
     lo, hi = report.extent.get(name, (2, None))
 
     memo = {} if memo is None else memo
 
     def fits(v: int) -> bool:
         if v not in memo:
-            pt = {**point, name: v}
+            pt = {**point, name: v * scale}
             ok = model.total(pt) <= usable   # replays at pt (cached), where there is one
             memo[v] = (ok, ok and not getattr(model.replayed(pt), "retries", 0))
         return memo[v][no_release]
@@ -406,7 +428,7 @@ def largest_fitting(model: TotalModel, report, point: dict, name: str, usable: i
     a = largest_true(fits, lo, cap)
     if a is None:
         if hi is not None:
-            notes.append(f"{name}: every size up to the model's limit {hi} fits")
+            notes.append(f"{name}: every size up to the model's limit {hi * scale} fits")
             return hi
         notes.append(f"{name}: the peak does not grow with {name} (fits up to 2**40)")
         return None

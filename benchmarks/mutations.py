@@ -508,7 +508,7 @@ MUTATIONS: list[Mutation] = [
              "a folded stack's cut run shown as if the model had only its blocks (4 / 5)"),
 
     Mutation("pp-sends-not-held", "strategies/pipeline.py",
-             "                    return [_HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]",
+             "                    return [HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]",
              "                    return works",
              ("tests/test_pipeline.py::test_every_pipeline_rank_equals_a_real_gloo_run",),
              "a pipeline send released at once, where gloo's Work holds it until dropped"),
@@ -540,6 +540,13 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_pipeline.py::"
               "test_a_hugging_face_decoder_by_its_layers_equals_a_real_gloo_run",),
              "every pipeline rank holding the decoder's embeddings"),
+    Mutation("largest-size-off-the-step", "analysis/budget.py",
+             "    step = report.config.multiples.get(name, 1)\n",
+             "    step = 1\n",
+             ("tests/test_multiples.py::"
+              "test_the_largest_stepped_size_that_fits_is_a_multiple_of_its_step",),
+             "the largest size that fits searched over every integer, off a stepped symbol's "
+             "step (a pipeline's batch that its micro-batches do not split)"),
     Mutation("pp-batch-not-split-evenly", "strategies/pipeline.py",
              "        return config.replace(multiples={**config.multiples, dim: step})",
              "        return config",

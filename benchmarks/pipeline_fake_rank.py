@@ -76,18 +76,9 @@ def patch_recv_meta(cfg, num_stages):
     patch_vote("dynamic")
 
 
-class HeldWork:
-    """A fake Work that keeps the tensors of its P2P ops alive, as gloo's SendWork/RecvWork do
-    (ProcessGroupGloo keeps `tensor_` in the work object until the Work is destroyed)."""
-
-    def __init__(self, work, tensors):
-        self.work, self.tensors = work, tensors
-
-    def wait(self, *a, **k):
-        return self.work.wait(*a, **k)
-
-    def is_completed(self):
-        return self.work.is_completed()
+# a fake Work that keeps the tensors of its P2P ops alive, as gloo's SendWork/RecvWork do
+# (ProcessGroupGloo keeps `tensor_` in the work object until the Work is destroyed)
+from memsim.strategies.pipeline import HeldWork  # noqa: E402
 
 
 def patch_hold_sends():

@@ -166,7 +166,8 @@ class PipelineParallel(Strategy):
         if isinstance(dim, int):
             if dim % m:
                 raise StrategyError(
-                    f"input {name!r}'s batch of {dim} does not split into --microbatches {m}",
+                    f"the batch of input {name!r} ({dim}) does not split into "
+                    f"--microbatches {m}",
                     hint=f"a batch that {m} divides, or --microbatches dividing {dim}")
             return config
         if m == 1 or config.multiples.get(dim, 1) % m == 0:
@@ -459,9 +460,9 @@ class PipelineDriver(Driver):
             def _batch_p2p(p2p_ops, desc=None):
                 works = orig(p2p_ops, desc)
                 if len(works) == len(p2p_ops):
-                    return [_HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]
+                    return [HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]
                 if works:
-                    return [_HeldWork(works[0], [op.tensor for op in p2p_ops])] + works[1:]
+                    return [HeldWork(works[0], [op.tensor for op in p2p_ops])] + works[1:]
                 return works
             return _batch_p2p
 
@@ -547,7 +548,7 @@ class PipelineDriver(Driver):
                 recorder.set_category(p.grad, Category.GRADIENT)
 
 
-class _HeldWork:
+class HeldWork:
     """A fake ``Work`` that keeps its P2P tensors alive, as gloo's does."""
 
     def __init__(self, work, tensors):

@@ -37,3 +37,21 @@ def test_an_example_size_off_the_step_is_refused():
         predict(zoo.PadToWindows, IMG, multiples={"H": 1})
     with pytest.raises(InputError, match="a step given for 'W'"):
         predict(zoo.PadToWindows, IMG, multiples={"W": 8})
+
+
+def test_the_largest_stepped_size_that_fits_is_a_multiple_of_its_step():
+    """The largest H that fits is searched over multiples of 8 (sizes between them pad, or a
+    pipeline's micro-batches would not split): a capacity the real run at H = 48 just exceeds
+    gives 40, which fits in a real run, as 48 does not."""
+    from memsim.analysis.budget import against
+    from tests.support.oracles.measure import example_inputs, materialize, measure_train
+
+    def peak(h):
+        return measure_train(materialize(zoo.PadToWindows()),
+                             example_inputs(IMG, {"B": 2, "H": h})).peak
+
+    report = predict(zoo.PadToWindows, IMG, multiples={"H": 8}, inference=False)
+    cap = peak(48) - 1
+    b = against(report, {"B": 2, "H": 24}, capacity=cap, margin=0.0, seq="H")
+    assert b.max_seq == 40
+    assert peak(40) <= cap

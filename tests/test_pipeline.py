@@ -83,7 +83,7 @@ def test_bad_pipeline_settings_are_named(make, words):
     (lambda: _model(2), INPUTS, dict(schedule="Interleaved1F1B"), "needs 4 stages"),
     (_model, INPUTS, dict(split=("4", "zz")), "zz, not one of the model's children"),
     (_model, {"input": ("float32", [6, WIDTH])}, dict(microbatches=4),
-     "batch of 6 does not split"),
+     "batch of input 'input' \\(6\\) does not split"),
 ])
 def test_a_model_or_batch_the_pipeline_cannot_split_is_named(model, inputs, options, words):
     with torch.device("meta"):
