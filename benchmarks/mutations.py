@@ -547,6 +547,11 @@ MUTATIONS: list[Mutation] = [
               "test_the_largest_stepped_size_that_fits_is_a_multiple_of_its_step",),
              "the largest size that fits searched over every integer, off a stepped symbol's "
              "step (a pipeline's batch that its micro-batches do not split)"),
+    Mutation("pp-no-autocast", "strategies/pipeline.py",
+             "        with forward_context(self.precision):",
+             "        with forward_context(type(self.precision).TRUE32):",
+             ("tests/test_pipeline.py::test_bf16_autocast_around_the_schedule_equals_a_real_run",),
+             "a pipeline step traced without the step's autocast"),
     Mutation("pp-batch-not-split-evenly", "strategies/pipeline.py",
              "        return config.replace(multiples={**config.multiples, dim: step})",
              "        return config",

@@ -177,6 +177,11 @@ class PipelineParallel(Strategy):
         return config.replace(multiples={**config.multiples, dim: step})
 
     def validate(self, given, config) -> None:
+        if config.precision.scaler or config.precision.master:
+            raise StrategyError(
+                f"precision {config.precision.value!r} is not modelled with pipeline "
+                "parallelism yet (a gradient scaler or fp32 master weights across stages)",
+                hint="--precision 32-true, bf16-mixed or bf16-true")
         others = [k for k in given if k not in (self.key, "checkpoint")]
         if others:
             raise StrategyError(
@@ -430,6 +435,7 @@ class PipelineDriver(Driver):
 
     warmup = 1
     owns_backward = True
+    precision_ok = True
 
     def __init__(self, pp: PipelineParallel, rank: int, split):
         import copy
@@ -520,7 +526,11 @@ class PipelineDriver(Driver):
             # without labels the loss is of the output alone: a zero-byte target
             kw = dict(target=target if target is not None else x.new_empty(self.pp.micro, 0),
                       losses=[])
-        self.schedule.step(*((x,) if self.first else ()), return_outputs=False, **kw)
+        from memsim.tracer.precision import forward_context
+        # the step's autocast around the schedule: forward, loss and backward of each
+        # micro-batch run inside it
+        with forward_context(self.precision):
+            self.schedule.step(*((x,) if self.first else ()), return_outputs=False, **kw)
         return None
 
     def backward(self, loss):

@@ -152,3 +152,26 @@ def test_a_decoder_input_the_pipeline_does_not_pass_is_named():
     with pytest.raises(StrategyError, match="model.layers.9, not one of the model's layers"):
         analyze(_llama(), LM, device="cpu",
                 pp=PipelineParallel(pp=2, split=("model.layers.9",)))
+
+
+@pytest.mark.parametrize("model, inputs, real_model, real_inputs, point", [
+    (_model, INPUTS, functools.partial(dist.residual_mlp, 8, WIDTH),
+     functools.partial(dist.mlp_inputs, 8, WIDTH), {"B": 8}),
+    (_llama, LM, functools.partial(dist.llama_model, "sdpa", 4),
+     functools.partial(dist.llama_inputs, 4, 16), {"B": 4, "S": 16}),
+])
+def test_bf16_autocast_around_the_schedule_equals_a_real_run(model, inputs, real_model,
+                                                             real_inputs, point):
+    pp = PipelineParallel(pp=2, schedule="1F1B", microbatches=2)
+    report = analyze(model(), inputs, device="cpu", pp=pp, precision="bf16-mixed")
+    real = dist.measure(real_model, real_inputs, world_size=2, autocast=torch.bfloat16,
+                        strategy=dist.Pipeline("1F1B", 2, pp.groups(model())))
+    for rank, m in enumerate(real):
+        got = _rank_report(report, rank).at(**point)["train"]
+        assert (got["peak"], got["activation_peak"]) == (m.peak, m.activation_peak), rank
+
+
+def test_a_precision_the_pipeline_does_not_model_is_named():
+    with pytest.raises(StrategyError, match="'16-mixed' is not modelled with pipeline"):
+        analyze(_model(), INPUTS, device="cpu", pp=PipelineParallel(pp=2),
+                precision="16-mixed")

@@ -31,6 +31,10 @@ class Driver:
     # and the step's loss function is ``loss_fn``, set before ``setup``
     owns_backward = False
     loss_fn = None
+    # the loop's precision applies around what ``setup`` returns (autocast, the parameters
+    # cast for *-true), as the step's ``precision`` says; else the engine owns it
+    precision_ok = False
+    precision = None
     host_device = None  # where the engine puts host memory (offload), if it has any
 
     def context(self) -> contextlib.AbstractContextManager:

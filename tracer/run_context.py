@@ -53,7 +53,8 @@ def enter_run(stack: contextlib.ExitStack, recorder: Recorder, model, specs, con
     stack.enter_context(_quiet_fake_kernels())
     stack.enter_context(_module_to_in_place())
     # with a driver the engine casts the model itself (float inputs are made in its dtype)
-    stack.enter_context(fake_module(model, "cpu", None if driver is not None else low))
+    stack.enter_context(fake_module(model, "cpu", None if driver is not None
+                                    and not driver.precision_ok else low))
     stack.enter_context(optimizer_defaults_for(config.device))
     stack.enter_context(modes_in_recompute(recorder))
     stack.enter_context(function_rules(config.device, config.cpu_isa))

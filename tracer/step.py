@@ -243,7 +243,7 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
     trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     loss_fn = config.loss_fn or default_loss
     start_recording(stack, recorder, model, inputs, config)
-    driver.loss_fn = loss_fn
+    driver.loss_fn, driver.precision = loss_fn, config.precision
     call = driver.setup(model, trainable, optimizer_factory(config))
     # the engine holds what it trains (a pipeline rank: its stages' parameters only)
     del trainable

@@ -69,8 +69,9 @@ def check_read(model: torch.nn.Module, record: RunRecord, swallowed: list[str]) 
 def check_driven(driver, config) -> None:
     """A library's loop (a :class:`~memsim.tracer.driver.Driver`) owns the training loop and its
     precision: autocast, accumulation and a compiled forward are errors with it."""
-    if config.precision.autocast is not None or config.accumulate != 1 or config.compiled:
-        what = (f"precision {config.precision.value!r}" if config.precision.autocast
+    autocast = config.precision.autocast is not None and not driver.precision_ok
+    if autocast or config.accumulate != 1 or config.compiled:
+        what = (f"precision {config.precision.value!r}" if autocast
                 else "accumulate" if config.accumulate != 1 else "compiled")
         raise InputError(f"{what} is not supported with {type(driver).__name__}",
                          hint="the engine owns the training loop and its precision")

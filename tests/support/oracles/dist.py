@@ -696,7 +696,8 @@ def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=N
 
 def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=None,
                           optimizer_fn=None, warmup: int = 1, settle_s: float = 1e-3,
-                          rank: int = 0, world_size: int = 1) -> RankMemory:
+                          rank: int = 0, world_size: int = 1,
+                          autocast: torch.dtype | None = None) -> RankMemory:
     """One steady-state step of pipeline rank ``rank`` (see :class:`Pipeline`); ``model``: a
     list holding the whole model, emptied here (the other ranks' stages are dropped)."""
     import torch.distributed.pipelining as pipelining
@@ -751,7 +752,8 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
         ph("forward")
         kw = dict(target=target if target is not None else x.new_empty(p.microbatches, 0),
                   losses=[]) if last else {}
-        sched.step(*((x,) if first else ()), return_outputs=False, **kw)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            sched.step(*((x,) if first else ()), return_outputs=False, **kw)
         del kw
         ph("step")
         opt.step()
@@ -1090,7 +1092,7 @@ def _rank_main(rank: int, job: _Job):
             r = measure_pipeline_step(box, inputs, job.strategy, loss_fn=job.loss_fn,
                                       optimizer_fn=job.optimizer_fn, warmup=job.warmup,
                                       settle_s=job.settle_s, rank=rank,
-                                      world_size=job.world_size)
+                                      world_size=job.world_size, autocast=job.autocast)
         elif isinstance(job.strategy, DeepSpeed):
             r = measure_deepspeed_step(
                 model, inputs, job.strategy.full_config(), loss_fn=job.loss_fn,
