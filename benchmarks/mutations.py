@@ -552,6 +552,18 @@ MUTATIONS: list[Mutation] = [
              "        with forward_context(type(self.precision).TRUE32):",
              ("tests/test_pipeline.py::test_bf16_autocast_around_the_schedule_equals_a_real_run",),
              "a pipeline step traced without the step's autocast"),
+    Mutation("verdict-about-the-shown-rank", "memsim/cli.py",
+             "        report = worst_rank(report, point)\n",
+             "",
+             ("tests/test_pipeline.py::"
+              "test_the_verdict_is_about_the_rank_whose_peak_is_largest_at_the_point",),
+             "the verdict about the rank largest at the example sizes, not at the point"),
+    Mutation("largest-size-of-one-rank", "memsim/cli.py",
+             "                if theirs is not None and (mine is None or theirs < mine):",
+             "                if False:",
+             ("tests/test_pipeline.py::"
+              "test_the_verdict_is_about_the_rank_whose_peak_is_largest_at_the_point",),
+             "the largest batch that fits one rank, where another rank runs out first"),
     Mutation("pp-batch-not-split-evenly", "strategies/pipeline.py",
              "        return config.replace(multiples={**config.multiples, dim: step})",
              "        return config",

@@ -227,6 +227,7 @@ def _execute(args, prep: dict, fit: bool = False):
     if point is not None:
         point = {k: v for k, v in point.items() if k not in report.fixed}
     if point is not None:
+        report = worst_rank(report, point)
         shown, spoint = report.for_point(point)   # traces a point the formulas do not cover
         shown.train and shown.train.check_point(spoint)
         shown.inference and shown.inference.check_point(spoint)
@@ -238,7 +239,40 @@ def _execute(args, prep: dict, fit: bool = False):
         device, cap, overheads = setup
         budget = against(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
+        # the largest sizes that fit are every rank's: the least over the ranks
+        for rc in getattr(report, "ranks", ()) if point is not None else ():
+            if rc.report.rank == report.rank:
+                continue
+            other = against(rc.report, point, gpu=device, capacity=cap, margin=args.margin,
+                            overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
+            for f in ("max_batch", "max_seq"):
+                mine, theirs = getattr(budget, f), getattr(other, f)
+                if theirs is not None and (mine is None or theirs < mine):
+                    setattr(budget, f, theirs)
     return report, point, shown, spoint, budget, setup
+
+
+def worst_rank(report, point: dict):
+    """Where ranks differ, the report of the rank whose peak is the largest at ``point`` (the
+    one the verdict is about), with a note where it is not the rank shown at the example
+    sizes; ``report`` itself otherwise."""
+    classes = getattr(report, "ranks", ())
+    if len(classes) < 2:
+        return report
+
+    def peak(rc):
+        sub, at = rc.report.for_point(point)
+        step = "train" if sub.train is not None else "inference"
+        return sub.at(**at)[step]["peak"]
+
+    worst = max(classes, key=lambda rc: (peak(rc), -rc.ranks[0]))
+    if worst.report.rank == report.rank:
+        return report
+    from dataclasses import replace
+    note = (f"at the point, rank {worst.report.rank}'s peak is the largest of every rank's: its "
+            f"figures are shown and the verdict is about it (rank {report.rank}'s is the largest "
+            "at the example sizes)")
+    return replace(worst.report, notes=tuple(worst.report.notes) + (note,))
 
 
 # options a configuration of `memsim compare` may not set: the model, its inputs, the point and

@@ -175,3 +175,43 @@ def test_a_precision_the_pipeline_does_not_model_is_named():
     with pytest.raises(StrategyError, match="'16-mixed' is not modelled with pipeline"):
         analyze(_model(), INPUTS, device="cpu", pp=PipelineParallel(pp=2),
                 precision="16-mixed")
+
+
+def test_the_verdict_is_about_the_rank_whose_peak_is_largest_at_the_point(capsys):
+    """Rank 1 (the large parameters) has the largest peak at the example sizes, rank 0 (the
+    wide activations) at B = 1000: the verdict and the figures shown are rank 0's, and the
+    largest batch that fits is the least over both ranks."""
+    from memsim.cli import main
+
+    args = ["analyze", "tests.support.zoo:pipeline_two_ways", "--input", "input=float32[B,4]",
+            "--device", "cpu", "--pp", "2", "--pp-schedule", "GPipe", "--microbatches", "2",
+            "--pp-split", "3", "--json"]
+    with torch.device("meta"):
+        from tests.support import zoo
+        report = analyze(zoo.pipeline_two_ways(), {"input": ("float32", ["B", 4])},
+                         device="cpu", pp=PipelineParallel(pp=2, schedule="GPipe",
+                                                           microbatches=2, split=("3",)))
+    peaks = {r: _rank_report(report, r).at(B=1000)["train"]["peak"] for r in (0, 1)}
+    assert report.rank == 1 and peaks[0] > peaks[1]
+    cap = peaks[0] + 10_000
+    assert main(args + ["--at", "B=1000", "--memory", f"{cap}B", "--margin", "0"]) == 0
+    import json
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["train"]["peak"]["bytes"] == peaks[0]
+    assert any("rank 0's peak is the largest" in n for n in doc["notes"])
+    assert doc["verdict"]["fits"] is True, doc["verdict"]
+    # a card rank 0's peak just exceeds: rank 1's would fit, the step does not
+    assert main(args + ["--at", "B=1000", "--memory", f"{peaks[0] - 1}B", "--margin",
+                        "0"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"]["fits"] is False, doc["verdict"]
+    # at B = 4 rank 1 is the largest, and rank 0 grows faster: the largest batch is rank 0's
+    cap = _rank_report(report, 1).at(B=4)["train"]["peak"] + 5_000_000
+    assert main(args + ["--at", "B=4", "--memory", f"{cap}B", "--margin", "0"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert not any("rank 0's peak is the largest" in n for n in doc["notes"])
+    fits = [b for b in range(4, 4000, 2) if all(
+        _rank_report(report, r).at(B=b)["train"]["peak"] <= cap for r in (0, 1))]
+    alone = [b for b in range(4, 4000, 2) if _rank_report(report, 1).at(B=b)["train"]["peak"]
+             <= cap]
+    assert doc["verdict"]["largest_batch"] == max(fits) < max(alone), doc["verdict"]

@@ -741,3 +741,11 @@ class MessagePassing(nn.Module):
             0, dst, torch.ones(dst.shape[0], dtype=x.dtype))
         h = torch.cat([x, agg / deg.clamp(min=1).unsqueeze(1)], 1)
         return self.out(h).relu().square().mean()
+
+
+def pipeline_two_ways():
+    """A ``Sequential`` whose first three children hold wide activations and few parameters,
+    and the last three many parameters and narrow activations: split after the third child
+    over 2 pipeline ranks, rank 1 holds more at small batches and rank 0 at large ones."""
+    return nn.Sequential(nn.Linear(4, 16384), nn.GELU(), nn.Linear(16384, 4),
+                         nn.Linear(4, 2000), nn.Linear(2000, 2000), nn.Linear(2000, 4))
