@@ -168,6 +168,8 @@ class Budget:
     reserved_card: int | None = None
     max_batch_no_release: int | None = None
     max_seq_no_release: int | None = None
+    # where it does not fit: what would make it fit, each option traced (memsim.suggest)
+    options: list = field(default_factory=list)
 
     @property
     def usable(self) -> int:

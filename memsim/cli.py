@@ -249,7 +249,42 @@ def _execute(args, prep: dict, fit: bool = False):
                 mine, theirs = getattr(budget, f), getattr(other, f)
                 if theirs is not None and (mine is None or theirs < mine):
                     setattr(budget, f, theirs)
+        if not budget.fits and point is not None and args.cmd == "analyze" \
+                and not getattr(args, "no_options", False):
+            budget.options = _fit_options(args, model, inputs, config, strategy, point,
+                                          setup, budget, report)
     return report, point, shown, spoint, budget, setup
+
+
+def _fit_options(args, model, inputs, config, strategy, point, setup, budget, report):
+    """What would make the step fit, each option traced (memsim.suggest)."""
+    from memsim.analysis.budget import against
+    from memsim.strategies import analyze as analyze_with
+
+    from .suggest import fit_options
+    device, cap, overheads = setup
+
+    def analyze(m, i, c, **kw):
+        return analyze_with(m, i, c, train=not args.inference, inference=args.inference,
+                            points=[point], **kw)
+
+    def budget_of(rep):
+        return against(worst_rank(rep, point), point, gpu=device, capacity=cap,
+                       margin=args.margin, overheads=overheads, batch="", seq="")
+
+    def progress(flags):
+        if _SHOWN is not None:
+            _SHOWN.what = f"what would make it fit: {flags}"
+
+    sub, at = report.for_point(point)
+    figs = sub.at(**at)["train" if sub.train is not None else "inference"]
+    states = sum(figs.get(k, 0) for k in ("parameters", "gradients", "optimizer_states"))
+    try:
+        return fit_options(analyze, model, inputs, config, strategy, point, budget_of,
+                           states, budget.usable, progress)
+    finally:
+        if _SHOWN is not None:
+            _SHOWN.what = None
 
 
 def worst_rank(report, point: dict):

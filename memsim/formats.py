@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sympy
 
-__all__ = ["verdict", "answer", "answer_line", "largest", "human", "formula", "approx", "short",
+__all__ = ["verdict", "answer", "answer_line", "options_lines", "largest", "human", "formula", "approx", "short",
            "wrapped", "amount", "monomial", "figure_json", "at_cells", "flops_text", "value_at"]
 
 
@@ -38,7 +38,23 @@ def answer(report, b, point, model: str | None = None) -> dict:
             "gpu": b.gpu.name if b.gpu else None, "capacity": b.capacity,
             "usable": b.usable, "total": b.total,
             "headroom": round(b.headroom, 6), "largest_batch": b.max_batch,
-            "largest_seq": b.max_seq}
+            "largest_seq": b.max_seq,
+            "options": [o.as_dict() for o in getattr(b, "options", ())]}
+
+
+def options_lines(v: dict) -> list[str]:
+    """Where the step does not fit: each option :func:`answer` lists, best first, one line
+    each (``--checkpoint blocks: 18.20 GiB, fits, headroom 12.0%``)."""
+    if not v.get("options"):
+        return []
+    out = ["  what would make it fit, each traced at this point (best first):"]
+    for o in v["options"]:
+        if o["total"] is None:
+            out.append(f"    {o['change']}: does not apply ({o.get('error', '')})")
+            continue
+        how = f"fits, headroom {o['headroom']:.1%}" if o["fits"] else "does not fit either"
+        out.append(f"    {o['change']}: {human(o['total'])}, {how}")
+    return out
 
 
 def answer_line(v: dict) -> str:

@@ -77,6 +77,9 @@ def add_common(a: argparse.ArgumentParser) -> None:
     b.add_argument("--gpu-file", metavar="FILE", help="extra GPUs, JSON or TOML {key: {name, mib, family}}")
     b.add_argument("--margin", type=float, default=0.10,
                    help="safety margin, fraction of the capacity kept free (default 0.10)")
+    b.add_argument("--no-options", action="store_true",
+                   help="where the step does not fit, do not trace what would make it fit "
+                        "(a lower precision, checkpointing, FSDP2: one analysis each)")
     b.add_argument("--fragmentation", type=float, default=0.0,
                    help="an extra margin of your own, fraction of the allocated peak, on top "
                         "of the caching allocator's replayed reserve (default 0)")

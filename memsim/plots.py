@@ -236,6 +236,15 @@ def report_html(title: str, text: str, tl=None, scaling=None, budget=None,
         parts.append(f'<p class="verdict {"fits" if answer["fits"] else "nofit"}">'
                      f'<span class=badge>{html.escape(said)}</span> '
                      f'{html.escape(line, quote=False)}</p>')
+        if answer.get("options"):
+            rows = "".join(
+                f"<tr><td><code>{html.escape(o['change'])}</code></td><td>"
+                + (html.escape(f"does not apply: {o.get('error', '')}") if o["total"] is None
+                   else f"{_human(o['total'])}</td><td>"
+                   + (f"fits, headroom {o['headroom']:.1%}" if o["fits"] else "does not fit"))
+                + "</td></tr>" for o in answer["options"])
+            parts.append("<p>What would make it fit, each traced at this point (best first):"
+                         f"</p><table class=options>{rows}</table>")
     elif budget is not None:
         verdict = "FITS" if budget.fits else "DOES NOT FIT"
         where = budget.gpu.name if budget.gpu else _human(budget.capacity)

@@ -16,7 +16,7 @@ from memsim._version import __version__ as VERSION
 from memsim.analysis import TRAIN_FIELDS, Report
 from memsim.tracer import Loop
 
-from .formats import (answer, answer_line, approx, at_cells, figure_json, formula, human,
+from .formats import (answer, answer_line, options_lines, approx, at_cells, figure_json, formula, human,
                       largest, short, verdict, wrapped)
 
 __all__ = ["to_text", "to_json", "budget_text", "budget_json", "gpu_table", "strategy_text",
@@ -292,8 +292,9 @@ def to_text(report: Report, point: dict[str, int] | None = None, top: int = 8, b
             seq: str = "S", model: str | None = None) -> str:
     """Readable tables: with a budget, the verdict first (:func:`memsim.formats.answer_line`);
     figures with formulas, the peak's regimes, breakdown, top modules."""
-    out = [] if budget is None else [
-        answer_line(answer(report, budget, {**report.fixed, **(point or {})}, model)), ""]
+    verdict = None if budget is None else answer(report, budget,
+                                                 {**report.fixed, **(point or {})}, model)
+    out = [] if verdict is None else [answer_line(verdict), *options_lines(verdict), ""]
     out += _header_text(report, point, full)
     if report.train is not None:
         out += _train_text(report.train, report.symbols, point)
