@@ -106,7 +106,10 @@ class _Progress:
                 0.2 if self.tty else _PROGRESS_EVERY):
             return
         self.last = now
-        msg = (f"{self.what}: " if self.what else "") + f"tracing {phase}" + (
+        from memsim.tracer import progress
+        rank = progress.context()
+        msg = (f"{self.what}: " if self.what else "") + (f"{rank}: " if rank else "") + \
+            f"tracing {phase}" + (
             f": {module} / {count}" if module is not None else "") + (
             f" (a run of {traced} blocks, the others derived from it)"
             if module is not None and traced else "")

@@ -14,6 +14,8 @@ shown (rank 0, or under ZeRO the largest peak), which lists the others.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Iterable, Mapping
 
 import sympy
@@ -141,10 +143,13 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
         plan = s.apply(plan)
 
     def traced(rank: int) -> Report:
-        return analysis.analyze(plan.model, inputs, plan.config, train=train,
-                                inference=inference, fixed=fixed, explore=False, fit=fit,
-                                transform=plan.transform(rank),
-                                driver=plan.driver(rank) if plan.driver else None)
+        from memsim.tracer import progress
+        with progress.about(f"rank {rank} of {plan.ranks.world}") if plan.ranks.world > 1 \
+                else contextlib.nullcontext():
+            return analysis.analyze(plan.model, inputs, plan.config, train=train,
+                                    inference=inference, fixed=fixed, explore=False, fit=fit,
+                                    transform=plan.transform(rank),
+                                    driver=plan.driver(rank) if plan.driver else None)
 
     ranks = plan.ranks
     if ranks.by_sizes is not None:

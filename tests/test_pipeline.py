@@ -215,3 +215,16 @@ def test_the_verdict_is_about_the_rank_whose_peak_is_largest_at_the_point(capsys
     alone = [b for b in range(4, 4000, 2) if _rank_report(report, 1).at(B=b)["train"]["peak"]
              <= cap]
     assert doc["verdict"]["largest_batch"] == max(fits) < max(alone), doc["verdict"]
+
+
+def test_progress_names_the_rank_traced(capsys, monkeypatch):
+    import memsim.cli as cli
+    from memsim.cli import main
+    monkeypatch.setattr(cli, "_PROGRESS_AFTER", 0.0)
+    monkeypatch.setattr(cli, "_PROGRESS_EVERY", 0.0)
+    assert main(["analyze", "tests.support.zoo:pipeline_two_ways", "--input",
+                 "input=float32[B,4]", "--device", "cpu", "--pp", "2", "--pp-schedule", "GPipe",
+                 "--microbatches", "2", "--pp-split", "3", "--train"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "memsim: rank 0 of 2: tracing zero_grad" in err, err
+    assert "memsim: rank 1 of 2: tracing optimizer" in err, err

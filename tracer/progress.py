@@ -11,6 +11,7 @@ import contextlib
 from typing import Callable
 
 _listener: Callable | None = None
+_about: list[str] = []   # what is being traced, outermost first (a rank of a strategy)
 
 
 @contextlib.contextmanager
@@ -23,6 +24,21 @@ def listening(fn: Callable[..., None] | None):
         yield
     finally:
         _listener = was
+
+
+@contextlib.contextmanager
+def about(text: str):
+    """Inside, the trace is of ``text`` (``rank 2 of 4``): :func:`context` says so."""
+    _about.append(text)
+    try:
+        yield
+    finally:
+        _about.pop()
+
+
+def context() -> str | None:
+    """What is being traced, where a caller said (:func:`about`), else None."""
+    return ", ".join(_about) if _about else None
 
 
 def report(phase: str, module: str | None = None, index: int | None = None,
