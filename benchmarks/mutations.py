@@ -484,8 +484,8 @@ MUTATIONS: list[Mutation] = [
              "a fitted stepped symbol answered from the fit at a size off its step"),
 
     Mutation("answer-not-first", "memsim/render.py",
-             "    out = [] if budget is None else [",
-             "    out = [] if True else [",
+             "    out = [] if verdict is None else [answer_line(verdict), *options_lines(verdict), \"\"]",
+             "    out = []",
              ("tests/test_cli.py::test_the_answer_comes_first",),
              "the verdict buried in the budget section instead of the first line"),
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism (memsim.strategies.pipeline): every pipeline rank against a real
 multi-process gloo run of the same program (tests/support/oracles/dist.py's Pipeline), and the
-errors that come before any trace."""
+errors that come before any trace. The cases marked ``heavy`` (more schedules, a decoder with
+GPipe and a V schedule, bf16 on a decoder) run in ``.ci/run``'s heavy step."""
 
 import functools
 
@@ -26,14 +27,16 @@ def _rank_report(report, rank):
 
 @pytest.mark.parametrize("schedule, world, micro, split, groups, sizes", [
     # fewer micro-batches than stages; the default split: 9 children over 2 stages
-    ("GPipe", 2, 1, None, [[0, 1, 2, 3, 4], [5, 6, 7, 8]], (3, 10)),
+    pytest.param("GPipe", 2, 1, None, [[0, 1, 2, 3, 4], [5, 6, 7, 8]], (3, 10),
+                 marks=pytest.mark.heavy),
     # as many, and the head's stage one child longer
     ("1F1B", 2, 2, ("4",), [[0, 1, 2, 3], [4, 5, 6, 7, 8]], (8, 24)),
     # two stages per rank, looped
     ("Interleaved1F1B", 2, 4, ("2", "4", "6"), [[0, 1], [2, 3], [4, 5], [6, 7, 8]], (16,)),
     # zero bubble, two stages per rank in a V (stages 0 and 3 on rank 0)
     ("ZBVZeroBubble", 2, 2, None, [[0, 1, 2], [3, 4], [5, 6], [7, 8]], (8,)),
-    ("DualPipeV", 2, 4, None, [[0, 1, 2], [3, 4], [5, 6], [7, 8]], (8,)),
+    pytest.param("DualPipeV", 2, 4, None, [[0, 1, 2], [3, 4], [5, 6], [7, 8]], (8,),
+                 marks=pytest.mark.heavy),
     # four ranks, micro-batches equal to twice the stages
     ("1F1B", 4, 8, ("2", "4", "6"), [[0, 1], [2, 3], [4, 5], [6, 7, 8]], (32,)),
 ])
@@ -124,9 +127,10 @@ def _llama(layers=4):
 @pytest.mark.parametrize("schedule, micro, split, points", [
     # its layers split evenly, the embeddings on the first rank, norm, head and loss on the last
     ("1F1B", 2, None, ({"B": 4, "S": 16}, {"B": 6, "S": 8})),
-    ("GPipe", 4, ("model.layers.3",), ({"B": 8, "S": 12},)),
+    pytest.param("GPipe", 4, ("model.layers.3",), ({"B": 8, "S": 12},),
+                 marks=pytest.mark.heavy),
     # rank 0 holds the first stage (embeddings) and the last (head and loss) in a V
-    ("ZBVZeroBubble", 2, None, ({"B": 4, "S": 16},)),
+    pytest.param("ZBVZeroBubble", 2, None, ({"B": 4, "S": 16},), marks=pytest.mark.heavy),
 ])
 def test_a_hugging_face_decoder_by_its_layers_equals_a_real_gloo_run(schedule, micro, split,
                                                                       points):
@@ -157,8 +161,9 @@ def test_a_decoder_input_the_pipeline_does_not_pass_is_named():
 @pytest.mark.parametrize("model, inputs, real_model, real_inputs, point", [
     (_model, INPUTS, functools.partial(dist.residual_mlp, 8, WIDTH),
      functools.partial(dist.mlp_inputs, 8, WIDTH), {"B": 8}),
-    (_llama, LM, functools.partial(dist.llama_model, "sdpa", 4),
-     functools.partial(dist.llama_inputs, 4, 16), {"B": 4, "S": 16}),
+    pytest.param(_llama, LM, functools.partial(dist.llama_model, "sdpa", 4),
+                 functools.partial(dist.llama_inputs, 4, 16), {"B": 4, "S": 16},
+                 marks=pytest.mark.heavy),
 ])
 def test_bf16_autocast_around_the_schedule_equals_a_real_run(model, inputs, real_model,
                                                              real_inputs, point):
