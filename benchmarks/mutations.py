@@ -579,6 +579,12 @@ MUTATIONS: list[Mutation] = [
              "        rank = None\n",
              ("tests/test_pipeline.py::test_progress_names_the_rank_traced",),
              "the progress of a strategy's ranks not saying which rank is traced"),
+    Mutation("pp-saved-tensors-temporaries", "tracer/step.py",
+             "    recorder.run.interleaved = driver.owns_backward\n",
+             "    recorder.run.interleaved = False\n",
+             ("tests/test_pipeline.py::"
+              "test_what_a_micro_batch_keeps_for_its_backward_is_an_activation",),
+             "what a pipeline's micro-batch keeps for its backward labelled a temporary"),
     Mutation("pp-batch-not-split-evenly", "strategies/pipeline.py",
              "        return config.replace(multiples={**config.multiples, dim: step})",
              "        return config",

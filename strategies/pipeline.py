@@ -200,6 +200,10 @@ class PipelineParallel(Strategy):
                    f"rank traced; the figures shown are rank {info.shown}'s, the largest peak "
                    "at the example sizes; \"ranks\" lists them all; the inference figures are "
                    "the plain forward of the whole model")
+            yield ("the schedule interleaves the micro-batches' forward and backward: what "
+                   "each keeps for its backward counts as activations while alive, in the "
+                   "activation peak; \"saved for backward\", the bytes kept at the one moment "
+                   "backward starts, has no such moment here and reads 0")
 
         return plan.but(driver=lambda rank: PipelineDriver(self, rank, split),
                         ranks=Ranks(world=self.pp, sampled=tuple(range(self.pp)),

@@ -233,3 +233,19 @@ def test_progress_names_the_rank_traced(capsys, monkeypatch):
     err = capsys.readouterr().err.splitlines()
     assert "memsim: rank 0 of 2: tracing zero_grad" in err, err
     assert "memsim: rank 1 of 2: tracing optimizer" in err, err
+
+
+def test_what_a_micro_batch_keeps_for_its_backward_is_an_activation():
+    """The schedule runs forward and backward inside one phase: what autograd saves there is
+    labelled an activation (the breakdown at the peak), and a note says why "saved for
+    backward" reads 0."""
+    from tests.support import zoo
+    with torch.device("meta"):
+        model = zoo.pipeline_two_ways()
+    report = analyze(model, {"input": ("float32", ["B", 4])}, device="cpu",
+                     pp=PipelineParallel(pp=2, schedule="GPipe", microbatches=2, split=("3",)))
+    rank0 = _rank_report(report, 0)
+    sub, at = rank0.for_point({"B": 1000})
+    live = sub.train.breakdown(at)
+    assert live["activation"] > live["temporary"] > 0, live
+    assert any("has no such moment here and reads 0" in n for n in report.notes)

@@ -178,6 +178,10 @@ class RunRecord:
     # for warm-up steps that were not traced (DeepSpeed's stage 3 on CUDA: one traced, one
     # replayed)
     replays: int = 0
+    # True when the loop's forward interleaves the backward of its parts (a pipeline
+    # schedule's micro-batches): what forward keeps for backward is an activation while alive,
+    # not only what is alive when the loss is taken
+    interleaved: bool = False
     # checks of tensor values the run took to hold, in words (tracer/known.py: assume)
     assumed: list = field(default_factory=list)
     # values the model read in Python control flow that the run had no data for, and what it

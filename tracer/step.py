@@ -277,6 +277,7 @@ def _driven(stack, recorder: Recorder, model, inputs: dict, constants: dict, con
         stack.callback(gc.enable)
     recorder.run.start = len(recorder.run.events)
     recorder.run.warmed = driver.warmup > 0
+    recorder.run.interleaved = driver.owns_backward
     recorder.run.replays = driver.replays if driver.warmup > 0 else 0
     held = _driven_step(recorder, driver, call, inputs, constants, loss_fn,
                         config.keep_outputs, held)

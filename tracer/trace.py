@@ -312,7 +312,13 @@ def _in_user_symbols(run: RunRecord, fn) -> RunRecord:
 
 def _classify(run: RunRecord) -> None:
     """Label the forward's storages still alive when backward starts as activations (the
-    record is the trace's own, not yet handed out)."""
+    record is the trace's own, not yet handed out); in a loop whose forward interleaves the
+    backward of its parts (:attr:`RunRecord.interleaved`), those autograd saved for it."""
+    if run.interleaved:
+        for s in run.storages:
+            if s.phase is Phase.FORWARD and s.saved and s.category is Category.TEMPORARY:
+                s.category = Category.ACTIVATION
+        return
     ends = run.phase_ends
     if Phase.LOSS not in ends:
         return
