@@ -391,7 +391,6 @@ def largest_fitting(model: TotalModel, report, point: dict, name: str, usable: i
     # searched over its multiples: sizes between them are padded or refused by the model
     step = report.config.multiples.get(name, 1)
     if step > 1:
-        lo, hi = report.extent.get(name, (2 * step, None))
         counts = {v // step: m for v, m in (memo or {}).items() if v % step == 0}
         found = largest_fitting(model, _Steps(report, name, step), point, name, usable, notes,
                                 no_release, counts, step)

@@ -508,8 +508,8 @@ MUTATIONS: list[Mutation] = [
              "a folded stack's cut run shown as if the model had only its blocks (4 / 5)"),
 
     Mutation("pp-sends-not-held", "strategies/pipeline.py",
-             "                    return [HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]",
-             "                    return works",
+             "            return [HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]",
+             "            return works",
              ("tests/test_pipeline.py::test_every_pipeline_rank_equals_a_real_gloo_run",),
              "a pipeline send released at once, where gloo's Work holds it until dropped"),
     Mutation("pp-other-stages-kept", "strategies/pipeline.py",

@@ -76,24 +76,12 @@ def patch_recv_meta(cfg, num_stages):
     patch_vote("dynamic")
 
 
-# a fake Work that keeps the tensors of its P2P ops alive, as gloo's SendWork/RecvWork do
-# (ProcessGroupGloo keeps `tensor_` in the work object until the Work is destroyed)
-from memsim.strategies.pipeline import HeldWork  # noqa: E402
-
-
 def patch_hold_sends():
-    """Make the fake PG's works hold their tensors like gloo's (see HeldWork)."""
+    """Make the fake PG's works hold their tensors like gloo's (memsim's own HeldWork)."""
     from torch.distributed.pipelining import schedules
-    orig = schedules._batch_p2p
 
-    def _batch_p2p(p2p_ops, desc=None):
-        works = orig(p2p_ops, desc)
-        if len(works) == len(p2p_ops):
-            return [HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]
-        if works:  # coalesced: one work for all ops
-            return [HeldWork(works[0], [op.tensor for op in p2p_ops])] + works[1:]
-        return works
-    schedules._batch_p2p = _batch_p2p
+    from memsim.strategies.pipeline import holding
+    schedules._batch_p2p = holding(schedules._batch_p2p)
 
 
 def build(cfg, rank, world, fake_mode=None):

@@ -243,7 +243,7 @@ def _execute(args, prep: dict, fit: bool = False):
         budget = against(report, point, gpu=device, capacity=cap, margin=args.margin,
                       overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
         # the largest sizes that fit are every rank's: the least over the ranks
-        for rc in getattr(report, "ranks", ()) if point is not None else ():
+        for rc in getattr(report, "ranks", ()):
             if rc.report.rank == report.rank:
                 continue
             other = against(rc.report, point, gpu=device, capacity=cap, margin=args.margin,

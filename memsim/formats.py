@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sympy
 
-__all__ = ["verdict", "answer", "answer_line", "options_lines", "largest", "human", "formula", "approx", "short",
-           "wrapped", "amount", "monomial", "figure_json", "at_cells", "flops_text", "value_at"]
+__all__ = ["verdict", "answer", "answer_line", "options_lines", "option_phrase", "largest",
+           "human", "formula", "approx", "short", "wrapped", "amount", "monomial", "figure_json",
+           "at_cells", "flops_text", "value_at"]
 
 
 def verdict(b) -> str:
@@ -47,14 +48,16 @@ def options_lines(v: dict) -> list[str]:
     each (``--checkpoint blocks: 18.20 GiB, fits, headroom 12.0%``)."""
     if not v.get("options"):
         return []
-    out = ["  what would make it fit, each traced at this point (best first):"]
-    for o in v["options"]:
-        if o["total"] is None:
-            out.append(f"    {o['change']}: does not apply ({o.get('error', '')})")
-            continue
-        how = f"fits, headroom {o['headroom']:.1%}" if o["fits"] else "does not fit either"
-        out.append(f"    {o['change']}: {human(o['total'])}, {how}")
-    return out
+    return ["  what would make it fit, each traced at this point (best first):"] + [
+        f"    {o['change']}: {option_phrase(o)}" for o in v["options"]]
+
+
+def option_phrase(o: dict) -> str:
+    """What one option of :func:`answer` gives: ``18.20 GiB, fits, headroom 12.0%``."""
+    if o["total"] is None:
+        return f"does not apply ({o.get('error', '')})"
+    how = f"fits, headroom {o['headroom']:.1%}" if o["fits"] else "does not fit either"
+    return f"{human(o['total'])}, {how}"
 
 
 def answer_line(v: dict) -> str:

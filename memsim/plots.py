@@ -228,7 +228,7 @@ def report_html(title: str, text: str, tl=None, scaling=None, budget=None,
     modelled), the timeline and the memory-against-size pictures as inline SVG, what is live
     at the peak by module, and the full text report (every table, the approximate and the
     exact formulas, the notes)."""
-    from .formats import answer_line
+    from .formats import answer_line, option_phrase
     plt = pyplot()
     parts = []
     if answer is not None:
@@ -237,12 +237,9 @@ def report_html(title: str, text: str, tl=None, scaling=None, budget=None,
                      f'<span class=badge>{html.escape(said)}</span> '
                      f'{html.escape(line, quote=False)}</p>')
         if answer.get("options"):
-            rows = "".join(
-                f"<tr><td><code>{html.escape(o['change'])}</code></td><td>"
-                + (html.escape(f"does not apply: {o.get('error', '')}") if o["total"] is None
-                   else f"{_human(o['total'])}</td><td>"
-                   + (f"fits, headroom {o['headroom']:.1%}" if o["fits"] else "does not fit"))
-                + "</td></tr>" for o in answer["options"])
+            rows = "".join(f"<tr><td><code>{html.escape(o['change'])}</code></td><td>"
+                           f"{html.escape(option_phrase(o))}</td></tr>"
+                           for o in answer["options"])
             parts.append("<p>What would make it fit, each traced at this point (best first):"
                          f"</p><table class=options>{rows}</table>")
     elif budget is not None:

@@ -17,16 +17,18 @@ The program traced per rank (and measured against real gloo runs in
                   return_outputs=False)
     opt.step()
 
-The model is an ``nn.Sequential``; its children are split into ``pp`` stages (``pp`` x 2 for
-the interleaved and V schedules: stage ``s`` on rank ``s % pp``, or ``r`` and ``2 pp - 1 - r``
-for the V schedules), as evenly as the children allow, earlier stages taking one more where
-they do not divide (``split`` names each stage's first child instead). The loss is the step's
-loss function of the last stage's output, per micro-batch (its target is a zero-byte
-placeholder). The batch dimension of the inputs is split into ``microbatches`` chunks, so its
-symbol is traced at multiples of ``microbatches`` (its formulas hold there). Every rank holds
-the step's inputs, as a data loader on every rank does. The warm-up vote of the schedules
-(whose first step compares shapes across ranks) is answered as every rank of a real run
-answers it: static shapes, given here from the stages' boundary shapes.
+A Hugging Face decoder LM with a pipeline plan is split by its layers (:class:`_Decoder`: the
+embeddings on the first stage, the final norm, head and its own loss of the ``labels`` on the
+last), an ``nn.Sequential`` by its children (:class:`_Sequential`: the loss is the step's loss
+function of the last stage's output, per micro-batch, its target a zero-byte placeholder).
+There are ``pp`` stages (``pp`` x 2 for the interleaved and V schedules: stage ``s`` on rank
+``s % pp``, or ``r`` and ``2 pp - 1 - r`` for the V schedules), the pieces split as evenly as
+they allow, earlier stages taking one more where they do not divide (``split`` names each
+stage's first piece instead). The batch dimension of the inputs is split into ``microbatches``
+chunks, so its symbol is traced at multiples of ``microbatches`` (its formulas hold there).
+Every rank holds the step's inputs, as a data loader on every rank does. The warm-up vote of
+the schedules (whose first step compares shapes across ranks) is answered as every rank of a
+real run answers it: static shapes, given here from the stages' boundary shapes.
 
 >>> PipelineParallel(pp=4, schedule="1F1B").stage_ids(3)
 ([3], 4)
@@ -37,6 +39,7 @@ answers it: static shapes, given here from the stages' boundary shapes.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -127,14 +130,14 @@ class PipelineParallel(Strategy):
     def add_options(cls, group) -> None:
         group.add_argument("--pp", type=int, metavar="N",
                            help="pipeline parallelism over N ranks (torch.distributed.pipelining; "
-                                "an nn.Sequential model)")
+                                "a Hugging Face decoder LM or an nn.Sequential)")
         group.add_argument("--pp-schedule", metavar="NAME",
                            help="pipeline schedule: " + ", ".join(SCHEDULES) + " (default 1F1B)")
         group.add_argument("--microbatches", type=int, metavar="M",
                            help="micro-batches per pipeline step (default: --pp)")
-        group.add_argument("--pp-split", metavar="CHILD,CHILD",
-                           help="the first child of each pipeline stage after the first "
-                                "(default: an even split)")
+        group.add_argument("--pp-split", metavar="NAME,NAME",
+                           help="the first layer (model.layers.16) or child of each pipeline "
+                                "stage after the first (default: an even split)")
 
     @classmethod
     def from_options(cls, opts, step):
@@ -150,8 +153,7 @@ class PipelineParallel(Strategy):
 
     @classmethod
     def summary(cls, d) -> str:
-        return (f"pipeline pp={d['pp']} ({d['schedule']}, "
-                f"{d['microbatches'] or d['pp']} micro-batches)")
+        return f"pipeline pp={d['pp']} ({d['schedule']}, {d['microbatches']} micro-batches)"
 
     def describe(self):
         out = super().describe()
@@ -170,10 +172,9 @@ class PipelineParallel(Strategy):
                     f"--microbatches {m}",
                     hint=f"a batch that {m} divides, or --microbatches dividing {dim}")
             return config
-        if m == 1 or config.multiples.get(dim, 1) % m == 0:
+        step = math.lcm(config.multiples.get(dim, 1), m)
+        if step == config.multiples.get(dim, 1):
             return config
-        step = config.multiples.get(dim, 1)
-        step = step * m // __import__("math").gcd(step, m)
         return config.replace(multiples={**config.multiples, dim: step})
 
     def validate(self, given, config) -> None:
@@ -270,10 +271,10 @@ class _Sequential:
         return next(v for v in inputs.values() if isinstance(v, torch.Tensor)), None
 
     def prepare(self, model, ids) -> None:
-        keep = {i for s in ids for i in self.groups[s]}
+        self.keep = {i for s in ids for i in self.groups[s]}
         self.children = list(model._modules.values())
         for i, name in enumerate(list(model._modules)):
-            if i not in keep:
+            if i not in self.keep:
                 model._modules[name] = nn.Identity()
 
     def build(self, model, ids, first_input, recorder):
@@ -281,9 +282,8 @@ class _Sequential:
         from memsim.tracer.run_context import fake_module
 
         held = list(model._modules.values())
-        keep = {i for s in ids for i in self.groups[s]}
-        run = [held[i] if i in keep else c for i, c in enumerate(self.children)]
-        elsewhere = nn.ModuleList([c for i, c in enumerate(self.children) if i not in keep])
+        run = [held[i] if i in self.keep else c for i, c in enumerate(self.children)]
+        elsewhere = nn.ModuleList([c for i, c in enumerate(self.children) if i not in self.keep])
         # the boundary shapes: every stage's output for one micro-batch, without autograd and
         # unrecorded (a real rank receives them from its neighbours)
         with recorder.paused(), torch.no_grad(), \
@@ -464,20 +464,8 @@ class PipelineDriver(Driver):
                     st._inference_mode = InferenceMode.STATIC
             return _warmup_p2p
 
-        def held(orig):
-            # gloo's Work keeps the tensor of its send or receive until the Work is dropped;
-            # the fake group's does not
-            def _batch_p2p(p2p_ops, desc=None):
-                works = orig(p2p_ops, desc)
-                if len(works) == len(p2p_ops):
-                    return [HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]
-                if works:
-                    return [HeldWork(works[0], [op.tensor for op in p2p_ops])] + works[1:]
-                return works
-            return _batch_p2p
-
         with patched(_PipelineSchedule, "_warmup_p2p", vote), \
-                patched(schedules, "_batch_p2p", held):
+                patched(schedules, "_batch_p2p", holding):
             yield
 
     def prepare(self, model, recorder):
@@ -509,9 +497,9 @@ class PipelineDriver(Driver):
                                 output_args=outs[s].requires_grad_(True))
                   for s, mod in zip(self.ids, mods)]
         self.stages = stages
-        self.params = [p for st in stages for p in dict.fromkeys(st.submod.parameters())
-                       if p.requires_grad]
-        self.params = list(dict.fromkeys(self.params))
+        # parameters a V rank's two stages share (tied embeddings) once
+        self.params = list(dict.fromkeys(p for st in stages for p in st.submod.parameters()
+                                         if p.requires_grad))
         self.optimizer = self.optimizer_factory(self.params)
         cls = getattr(pipelining, SCHEDULES[pp.schedule])
         self.schedule = cls(stages[0] if pp.schedule in SINGLE else stages,
@@ -560,6 +548,20 @@ class PipelineDriver(Driver):
         for p in self.params:
             if p.grad is not None:
                 recorder.set_category(p.grad, Category.GRADIENT)
+
+
+def holding(batch_p2p):
+    """``torch.distributed.pipelining.schedules._batch_p2p`` whose ``Work``s keep their
+    tensors: gloo's Work keeps the tensor of its send or receive until the Work is dropped,
+    the fake group's does not."""
+    def _batch_p2p(p2p_ops, desc=None):
+        works = batch_p2p(p2p_ops, desc)
+        if len(works) == len(p2p_ops):
+            return [HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops)]
+        if works:  # coalesced: one work for all ops
+            return [HeldWork(works[0], [op.tensor for op in p2p_ops])] + works[1:]
+        return works
+    return _batch_p2p
 
 
 class HeldWork:
