@@ -590,6 +590,21 @@ MUTATIONS: list[Mutation] = [
              "        return config",
              ("tests/test_pipeline.py::test_every_pipeline_rank_equals_a_real_gloo_run",),
              "the batch traced at any size, its micro-batches uneven"),
+    Mutation("pointwise-contiguous-strides", "tracer/pointwise.py",
+             "        strides = compute_elementwise_output_strides(*args)",
+             "        strides = torch._prims_common.make_contiguous_strides_for(args[0].shape)",
+             ("tests/test_pointwise.py",),
+             "a fast pointwise output contiguous whatever its operands' layout"),
+    Mutation("pointwise-inplace-copy", "tracer/pointwise.py",
+             "            return self\n",
+             "            return torch.empty_like(self)\n",
+             ("tests/test_pointwise.py",),
+             "an in-place pointwise op's fast kernel returns a new tensor"),
+    Mutation("pointwise-int-promotion", "tracer/pointwise.py",
+             "    _aten.tanh.default: (_FLOAT, False),",
+             "    _aten.tanh.default: (_SAME, False),",
+             ("tests/test_pointwise.py",),
+             "tanh of an integer tensor keeps its dtype"),
 
 ]
 

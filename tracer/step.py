@@ -45,6 +45,7 @@ from .run_context import SymbolTable, enter_run, start_recording
 from .run_errors import explained, translate
 from .spec import TensorSpec
 from .step_checks import check_driven, check_inputs, check_loss, check_precision, check_read
+from .pointwise import fast_pointwise
 from .symcache import remembered
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -105,6 +106,7 @@ def run_step(model: torch.nn.Module, specs: list[TensorSpec], constants: dict,
             # (a copy is thrown away after its run)
             changed = [] if copied else stack.enter_context(kept(model))
             stack.enter_context(remembered())
+            stack.enter_context(fast_pointwise())
             tracker = stack.enter_context(known.tracking())
             inputs, symbols = enter_run(stack, recorder, model, specs, config, hints, train,
                                         transform, driver if driven else None, patches)
