@@ -145,8 +145,9 @@ class FSDP(Strategy):
                   "FSDP2 and ZeRO-3 are the same idea; DDP buckets do not exist under FSDP")
 
     def apply(self, plan):
-        if "tp" in plan.given:
-            return plan  # TensorParallel shards both (a 2-D mesh)
+        if "tp" in plan.given or "pp" in plan.given:
+            # TensorParallel shards both (a 2-D mesh); a pipeline shards each rank's stages
+            return plan
         return sharded(plan, self, None)
 
     def shard(self, model: torch.nn.Module, mesh) -> None:
@@ -154,6 +155,11 @@ class FSDP(Strategy):
         dimension): each unit, inner ones first, then the root (a StrategyError for a unit that
         is not a module of the model, or that holds a parameter tied to one outside it)."""
         _shard(model, self, mesh)
+
+    def shard_stage(self, stage: torch.nn.Module, units: list[str], mesh) -> None:
+        """Apply ``fully_shard`` to a pipeline stage over ``mesh``: each of ``units`` (its
+        blocks or children), then the stage itself, as torchtitan shards its model chunks."""
+        _shard(stage, self, mesh, units)
 
     def notes_for(self, model: torch.nn.Module, tp: TensorParallel | None,
                   cuda: bool) -> tuple[str, ...]:
@@ -293,10 +299,11 @@ def padding_note(model: torch.nn.Module, fsdp: FSDP | None,
             f"they split evenly (torchtitan does so for MoE experts): {how}")
 
 
-def _shard(model: torch.nn.Module, fsdp: FSDP, mesh) -> None:
+def _shard(model: torch.nn.Module, fsdp: FSDP, mesh, units: list[str] | None = None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    units = fsdp_units(model) if fsdp.units == "blocks" else list(fsdp.units)
+    if units is None:
+        units = fsdp_units(model) if fsdp.units == "blocks" else list(fsdp.units)
     mods = dict(model.named_modules())
     shared = _tied(model)
     for u in units:

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from .fsdp import FSDP
     from .tp import TensorParallel
 
-__all__ = ["sharded", "ranks_text", "process_group", "transform", "rank_classes"]
+__all__ = ["sharded", "ranks_text", "process_group", "transform", "rank_classes",
+           "pipeline_meshes"]
 
 
 def sharded(plan, fsdp: FSDP | None, tp: TensorParallel | None):
@@ -137,6 +138,23 @@ def _mesh(dp: int, tp: int, rank: int = 0):
             root = mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
             got = outside_fake(lambda: (root["dp"], root["tp"], root))()
         _WORLD["meshes"][(dp, tp)] = got
+    return got
+
+
+def pipeline_meshes(pp: int, dp: int, rank: int):
+    """``(pp mesh, dp mesh)`` of a ``(pp, dp)`` device mesh on the fake group at ``rank``
+    (global rank ``pp_rank * dp + dp_rank``, the pipeline dimension outermost, as torchtitan
+    orders its mesh), built once per process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memsim.tracer.recorder import outside_fake
+
+    process_group(pp * dp, rank)
+    key = ("pp", pp, dp)
+    got = _WORLD["meshes"].get(key)
+    if got is None:
+        root = outside_fake(init_device_mesh)("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+        got = _WORLD["meshes"][key] = outside_fake(lambda: (root["pp"], root["dp"]))()
     return got
 
 

@@ -183,21 +183,43 @@ class PipelineParallel(Strategy):
                 f"precision {config.precision.value!r} is not modelled with pipeline "
                 "parallelism yet (a gradient scaler or fp32 master weights across stages)",
                 hint="--precision 32-true, bf16-mixed or bf16-true")
-        others = [k for k in given if k not in (self.key, "checkpoint")]
+        others = [k for k in given if k not in (self.key, "checkpoint", "fsdp")]
         if others:
             raise StrategyError(
                 f"pipeline parallelism does not combine with {', '.join(others)} yet",
-                hint="--pp alone (with activation checkpointing or not)")
+                hint="--pp alone or with --fsdp --dp N (with activation checkpointing or not)")
+        fsdp = given.get("fsdp")
+        if fsdp is not None and fsdp.units != "blocks":
+            raise StrategyError(
+                "with pipeline parallelism, FSDP2 shards each stage's pieces (its blocks or "
+                "children) and the stage itself; FSDP units named by path are not taken",
+                hint="leave FSDP's units at their default")
 
     def apply(self, plan):
         split = self.splitter(plan.model)
         pp = self
+        fsdp = plan.given.get("fsdp")
+        dp = fsdp.dp if fsdp is not None else 1
+        if fsdp is None:
+            classes = tuple((r,) for r in range(self.pp))
+        else:
+            from .mesh import rank_classes
+            # the data-parallel ranks of each pipeline rank grouped by the sizes of their
+            # shards (every parameter's: a stage holds some of them), each group traced
+            classes = tuple(tuple(r * dp + d for d in c) for r in range(self.pp)
+                            for c in rank_classes(plan.model, fsdp, None))
+        world = self.pp * dp
 
         def note(info):
             sizes = ", ".join(str(len(g)) for g in split.groups)
+            over = (f"a fake process group of {pp.pp}" if fsdp is None else
+                    f"a fake process group of {world} ranks, a ({pp.pp}, {dp}) mesh of "
+                    f"pipeline by data-parallel ranks (rank = pipeline rank x {dp} + "
+                    "data-parallel rank, as torchtitan orders it), each stage's pieces and the "
+                    "stage sharded with FSDP2's fully_shard over its data-parallel ranks")
             yield (f"per-rank figures, traced with PyTorch's own torch.distributed.pipelining "
                    f"({pp.schedule}, {pp.micro} micro-batches, {pp.stages} stages of "
-                   f"{sizes} {split.what}) on a fake process group of {pp.pp}; every "
+                   f"{sizes} {split.what}) on {over}; every "
                    f"rank traced; the figures shown are rank {info.shown}'s, the largest peak "
                    "at the example sizes; \"ranks\" lists them all; the inference figures are "
                    "the plain forward of the whole model")
@@ -206,10 +228,13 @@ class PipelineParallel(Strategy):
                    "activation peak; \"saved for backward\", the bytes kept at the one moment "
                    "backward starts, has no such moment here and reads 0")
 
-        return plan.but(driver=lambda rank: PipelineDriver(self, rank, split),
-                        ranks=Ranks(world=self.pp, sampled=tuple(range(self.pp)),
-                                    classes=tuple((r,) for r in range(self.pp))),
-                        notes=(note,))
+        notes: tuple = (note,)
+        if fsdp is not None:
+            notes += fsdp.notes_for(plan.model, None, cuda=plan.config.device.value == "cuda")
+        return plan.but(driver=lambda rank: PipelineDriver(self, rank, split, fsdp),
+                        ranks=Ranks(world=world, sampled=tuple(c[0] for c in classes),
+                                    classes=classes),
+                        notes=notes)
 
     def splitter(self, model: nn.Module) -> "_Sequential | _Decoder":
         """How ``model`` splits into stages: a Hugging Face decoder LM by its layers, an
@@ -303,6 +328,11 @@ class _Sequential:
         def loss_of(out, target):
             return loss_fn(out)
         return loss_of
+
+    @staticmethod
+    def pieces(stage: nn.Module) -> list[str]:
+        """The paths of a stage's pieces (its children), FSDP2's units in it."""
+        return [name for name, _ in stage.named_children()]
 
 
 class _Decoder:
@@ -405,6 +435,12 @@ class _Decoder:
         return loss_of
 
 
+    def pieces(self, stage: "_DecoderStage") -> list[str]:
+        """The paths of a stage's layers, FSDP2's units in it."""
+        n = len(getattr(stage.lm, self.prefix).layers)
+        return [f"lm.{self.prefix}.layers.{j}" for j in range(n)]
+
+
 class _DecoderStage(nn.Module):
     """One stage of a decoder LM: its forward on the layers it holds; the logits on the last
     stage, the hidden states before it."""
@@ -441,10 +477,12 @@ class PipelineDriver(Driver):
     owns_backward = True
     precision_ok = True
 
-    def __init__(self, pp: PipelineParallel, rank: int, split):
+    def __init__(self, pp: PipelineParallel, rank: int, split, fsdp=None):
         import copy
         self.pp, self.rank, self.split = pp, rank, copy.copy(split)   # its own, per rank
-        self.ids, self.n = pp.stage_ids(rank)
+        self.fsdp = fsdp
+        self.dp = fsdp.dp if fsdp is not None else 1
+        self.ids, self.n = pp.stage_ids(rank // self.dp)
         self.schedule = self.optimizer = None
         self.params: list = []
 
@@ -477,7 +515,7 @@ class PipelineDriver(Driver):
     def setup(self, model, params, optimizer):
         from .mesh import process_group
 
-        process_group(self.pp.pp, self.rank)
+        process_group(self.pp.pp * self.dp, self.rank)
         self.model = model
         self.optimizer_factory = optimizer
         self._built = False
@@ -491,10 +529,20 @@ class PipelineDriver(Driver):
 
         pp = self.pp
         mods, ins, outs = self.split.build(self.model, self.ids, first_input, self.recorder)
+        group = None   # the default group, where the pipeline is the whole world
+        if self.fsdp is not None:
+            from memsim.tracer.recorder import real_meshes
+
+            from .mesh import pipeline_meshes
+            pp_mesh, dp_mesh = pipeline_meshes(pp.pp, self.dp, self.rank)
+            group = pp_mesh.get_group()
+            with real_meshes():
+                for mod in mods:
+                    self.fsdp.shard_stage(mod, self.split.pieces(mod), dp_mesh)
         stages = [PipelineStage(mod, s, self.n, first_input.device,
                                 input_args=ins[s].requires_grad_(
                                     s > 0 and ins[s].is_floating_point()),
-                                output_args=outs[s].requires_grad_(True))
+                                output_args=outs[s].requires_grad_(True), group=group)
                   for s, mod in zip(self.ids, mods)]
         self.stages = stages
         # parameters a V rank's two stages share (tied embeddings) once

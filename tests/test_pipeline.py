@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from memsim.strategies import FSDP, PipelineParallel, analyze
+from memsim.strategies import DDP, FSDP, PipelineParallel, ZeRO, analyze
 from memsim.tracer import StrategyError
 from tests.support.oracles import dist
 
@@ -95,9 +95,49 @@ def test_a_model_or_batch_the_pipeline_cannot_split_is_named(model, inputs, opti
         analyze(m, inputs, device="cpu", pp=PipelineParallel(pp=2, **options))
 
 
-def test_pipeline_does_not_combine_with_data_parallelism_yet():
-    with pytest.raises(StrategyError, match="does not combine with fsdp"):
-        analyze(_model(), INPUTS, device="cpu", pp=PipelineParallel(pp=2), fsdp=FSDP(dp=2))
+@pytest.mark.parametrize("options, words", [
+    (dict(zero=ZeRO(stage=2, dp=2)), "does not combine with zero"),
+    (dict(ddp=DDP(dp=2)), "does not combine with ddp"),
+    (dict(fsdp=FSDP(dp=2, units=("0", "1"))), "FSDP units named by path are not taken"),
+])
+def test_what_pipeline_parallelism_does_not_combine_with_is_named(options, words):
+    with pytest.raises(StrategyError, match=words):
+        analyze(_model(), INPUTS, device="cpu", pp=PipelineParallel(pp=2), **options)
+
+
+@pytest.mark.parametrize("schedule, width, model", [
+    # 33 rows over 2 ranks: uneven shards, each data-parallel rank traced
+    ("1F1B", 33, "mlp"),
+    # even shards: the data-parallel ranks of a pipeline rank alike; two stages per rank
+    pytest.param("ZBVZeroBubble", 32, "mlp", marks=pytest.mark.heavy),
+    pytest.param("1F1B", None, "llama", marks=pytest.mark.heavy),
+])
+def test_pipeline_with_fsdp2_equals_real_gloo_runs(schedule, width, model):
+    """Pipeline 2 x FSDP2 2 over 4 gloo ranks (a (pp, dp) mesh, each stage's pieces and the
+    stage fully_shard-ed over the rank's data-parallel group, as torchtitan builds them):
+    every rank's figures equal."""
+    pp = PipelineParallel(pp=2, schedule=schedule, microbatches=2)
+    if model == "mlp":
+        make = functools.partial(dist.residual_mlp, 8, width)
+        inputs, at = {"input": ("float32", ["B", width])}, dict(B=8)
+        data = functools.partial(dist.mlp_inputs, 8, width)
+    else:
+        make = functools.partial(dist.llama_model, layers=4)
+        inputs, at = LM, dict(B=4, S=16)
+        data = functools.partial(dist.llama_inputs, 4, 16)
+    with torch.device("meta"):
+        report = analyze(make(), inputs, device="cpu", pp=pp, fsdp=FSDP(dp=2))
+        groups = pp.groups(make())
+    classes = [rc.ranks for rc in report.ranks]
+    assert classes == ([(0,), (1,), (2,), (3,)] if width == 33 else [(0, 1), (2, 3)])
+    real = dist.measure(make, data, strategy=dist.Pipeline(schedule, 2, groups, dp=2,
+                                                            fsdp=dist.FSDP2()), world_size=4)
+    for rank, m in enumerate(real):
+        got = _rank_report(report, rank).at(**at)["train"]
+        assert m.other == 0, m.other_detail
+        assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"],
+                got["activation_peak"]) == (m.peak, m.parameters, m.gradients,
+                                            m.optimizer_states, m.activation_peak), rank
 
 
 def test_checkpointed_blocks_in_pipeline_stages_equal_a_real_run():

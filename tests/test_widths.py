@@ -149,3 +149,28 @@ def test_pipeline_at_llama_7b_width():
         assert (r.peak, r.parameters, r.gradients, r.optimizer_states, r.activation_peak) == (
             got["peak"], got["parameters"], got["gradients"], got["optimizer_states"],
             got["activation_peak"]), r.rank
+
+
+@pytest.mark.wide
+def test_pipeline_with_fsdp2_at_llama_7b_width():
+    """Two decoder layers of Llama-2-7B's shape over 2 pipeline ranks x FSDP2 over 2 (4 gloo
+    ranks, a (pp, dp) mesh; 1F1B, 2 micro-batches), B=2, S=128: every figure of every rank
+    equal (peaks 3,277,214,264 B on ranks 0 and 1, 3,750,774,344 B on ranks 2 and 3; about
+    90 s)."""
+    from memsim.strategies import FSDP, PipelineParallel
+
+    factory = functools.partial(_llama_7b_width, layers=2, checkpointing=False)
+    pp = PipelineParallel(pp=2, schedule="1F1B", microbatches=2)
+    with torch.device("meta"):
+        groups = pp.groups(factory())
+    report = _predict(factory, LM, pp=pp, fsdp=FSDP(dp=2))
+    real = O.measure(factory, functools.partial(O.llama_inputs, batch=2, seq=128, vocab=1000),
+                     strategy=O.Pipeline("1F1B", 2, groups, dp=2, fsdp=O.FSDP2()),
+                     world_size=4)
+    for r in real:
+        rank = next(rc.report for rc in report.ranks if r.rank in rc.ranks)
+        got = figures(rank, B=2, S=128)["train"]
+        assert r.other == 0, r.other_detail
+        assert (r.peak, r.parameters, r.gradients, r.optimizer_states, r.activation_peak) == (
+            got["peak"], got["parameters"], got["gradients"], got["optimizer_states"],
+            got["activation_peak"]), r.rank

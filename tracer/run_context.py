@@ -125,7 +125,11 @@ def fake_module(model: torch.nn.Module, device: str, dtype: torch.dtype | None =
                             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
                         memo[id(t)] = new
                     table[name] = memo[id(t)]
-        memo.clear()  # the module holds its fake tensors; nothing else may keep them alive
+        # the module holds its fake tensors; nothing else may keep them alive (not this frame,
+        # suspended while the run goes on: a strategy that replaces the parameters in the run,
+        # a pipeline rank's FSDP2, frees the old ones)
+        memo.clear()
+        new = t = None
         yield
     finally:
         for table, name, t in reversed(saved):

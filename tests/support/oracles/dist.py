@@ -65,7 +65,7 @@ import time
 import traceback
 import warnings
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -222,11 +222,18 @@ class Pipeline:
     return_outputs=False); opt.step()`` (AdamW over the rank's stages). Every rank holds the
     inputs. What the stages and the schedule hold into the step (receive buffers) is
     ``pipeline``, counted in the activation peak; no device mesh is built (the stages talk over
-    the default group)."""
+    the default group).
+
+    ``fsdp`` (with ``dp`` > 1): a ``(world / dp, dp)`` mesh named ``("pp", "dp")``, rank
+    ``pp_rank * dp + dp_rank``; each stage's blocks (its children, or a decoder stage's
+    layers), then the stage, sharded with ``fully_shard`` over the rank's ``dp`` mesh, the
+    stages talking over its ``pp`` group (as torchtitan builds them)."""
 
     schedule: str = "1F1B"
     microbatches: int = 2
     groups: Sequence[Sequence[int]] = ()
+    dp: int = 1
+    fsdp: Any = None   # an FSDP2 of the stages (dp > 1)
 
 
 # q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms and LM head stay replicated.
@@ -697,9 +704,9 @@ def measure_step(model: nn.Module, inputs: dict, *, loss_fn=None, optimizer_fn=N
 def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=None,
                           optimizer_fn=None, warmup: int = 1, settle_s: float = 1e-3,
                           rank: int = 0, world_size: int = 1,
-                          autocast: torch.dtype | None = None) -> RankMemory:
-    """One steady-state step of pipeline rank ``rank`` (see :class:`Pipeline`); ``model``: a
-    list holding the whole model, emptied here (the other ranks' stages are dropped)."""
+                          autocast: torch.dtype | None = None, mesh=None) -> RankMemory:
+    """One steady-state step of rank ``rank`` (see :class:`Pipeline`); ``model``: a list
+    holding the whole model, emptied here (the other ranks' stages are dropped)."""
     import torch.distributed.pipelining as pipelining
     from torch.distributed.pipelining import PipelineStage
 
@@ -707,7 +714,9 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
     whole = model.pop()
     n = len(p.groups)
     v_shape = p.schedule in ("ZBVZeroBubble", "DualPipeV")
-    ids = ([rank, n - 1 - rank] if v_shape else list(range(rank, n, world_size)))
+    stage_rank, ranks = rank // p.dp, world_size // p.dp
+    ids = ([stage_rank, n - 1 - stage_rank] if v_shape
+           else list(range(stage_rank, n, ranks)))
     x = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
     target = inputs.get("labels")
     if hasattr(whole, "base_model_prefix"):   # a Hugging Face decoder LM, by its layers
@@ -733,9 +742,18 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
         def stage_loss(out, target):
             return loss_fn(out)
     del whole
+    group = None
+    if mesh is not None:
+        group = mesh["pp"].get_group()
+        for mod in mods:
+            blocks = ([f"lm.{mod.lm.base_model_prefix}.layers.{j}" for j in range(len(
+                getattr(mod.lm, mod.lm.base_model_prefix).layers))]
+                if isinstance(mod, _DecoderStageModule) else None)
+            _apply_fsdp2(mod, mesh["dp"], replace(p.fsdp or FSDP2(),
+                                                             blocks=blocks))
     stages = [PipelineStage(mod, s, n, torch.device("cpu"),
                             input_args=ins[s].requires_grad_(s > 0 and ins[s].is_floating_point()),
-                            output_args=outs[s].requires_grad_(True))
+                            output_args=outs[s].requires_grad_(True), group=group)
               for s, mod in zip(ids, mods)]
     model = nn.ModuleList(mods)
     cls = getattr(pipelining, "Schedule" + p.schedule)
@@ -769,7 +787,7 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
             ("optimizer_states", _optimizer_tensors(opt)),
             ("buffers", list(model.buffers())),
             ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
-            ("fsdp_internal", []),
+            ("fsdp_internal", _fsdp_internal_tensors(model)),
             ("previous", []),
             ("pipeline", [t for t in _live_tensors() if id(t) not in owned]),
             # not the constant torch.distributed.pipelining makes at import (sum_reducer's
@@ -1067,7 +1085,11 @@ def _rank_main(rank: int, job: _Job):
                 mesh = init_device_mesh("cpu", (job.strategy.dp, job.strategy.tp),
                                         mesh_dim_names=("dp", "tp"))
             elif isinstance(job.strategy, Pipeline):
-                pass   # the stages talk over the default group: no mesh
+                if job.strategy.dp > 1:
+                    mesh = init_device_mesh("cpu", (job.world_size // job.strategy.dp,
+                                                    job.strategy.dp),
+                                            mesh_dim_names=("pp", "dp"))
+                # else the stages talk over the default group: no mesh
             else:
                 mesh = init_device_mesh("cpu", (job.world_size,))
         torch.manual_seed(job.seed)  # same weights and inputs on every rank
@@ -1092,7 +1114,8 @@ def _rank_main(rank: int, job: _Job):
             r = measure_pipeline_step(box, inputs, job.strategy, loss_fn=job.loss_fn,
                                       optimizer_fn=job.optimizer_fn, warmup=job.warmup,
                                       settle_s=job.settle_s, rank=rank,
-                                      world_size=job.world_size, autocast=job.autocast)
+                                      world_size=job.world_size, autocast=job.autocast,
+                                      mesh=mesh)
         elif isinstance(job.strategy, DeepSpeed):
             r = measure_deepspeed_step(
                 model, inputs, job.strategy.full_config(), loss_fn=job.loss_fn,
