@@ -625,6 +625,16 @@ MUTATIONS: list[Mutation] = [
              "\n",
              ("tests/test_pipeline.py::test_pipeline_with_fsdp2_equals_real_gloo_runs",),
              "the run's fake-parameter swap keeps the last parameter made alive"),
+    Mutation("pp-tp-wrong-mesh", "strategies/pipeline.py",
+             "                    tp.parallelize(model, pipeline_meshes(pp.pp, dp, tp_n, rank)[2])",
+             "                    tp.parallelize(model, pipeline_meshes(pp.pp, dp, tp_n, rank)[1])",
+             ("tests/test_pipeline.py::test_pipeline_with_tensor_parallelism_equals_real_gloo_runs",),
+             "a pipeline rank's layers sharded over its data-parallel group, not its TP group"),
+    Mutation("pp-tp-ranks-forgotten", "strategies/pipeline.py",
+             "                            for c in rank_classes(plan.model, fsdp, tp))",
+             "                            for c in rank_classes(plan.model, fsdp, None))",
+             ("tests/test_pipeline.py::test_pipeline_with_tensor_parallelism_equals_real_gloo_runs",),
+             "the tensor-parallel ranks of each pipeline rank left out of the ranks listed"),
 
 ]
 

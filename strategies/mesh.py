@@ -141,20 +141,22 @@ def _mesh(dp: int, tp: int, rank: int = 0):
     return got
 
 
-def pipeline_meshes(pp: int, dp: int, rank: int):
-    """``(pp mesh, dp mesh)`` of a ``(pp, dp)`` device mesh on the fake group at ``rank``
-    (global rank ``pp_rank * dp + dp_rank``, the pipeline dimension outermost, as torchtitan
-    orders its mesh), built once per process group."""
+def pipeline_meshes(pp: int, dp: int, tp: int, rank: int):
+    """``(pp mesh, dp mesh, tp mesh)`` of a ``(pp, dp, tp)`` device mesh on the fake group at
+    ``rank`` (global rank ``(pp_rank * dp + dp_rank) * tp + tp_rank``, the pipeline dimension
+    outermost, as torchtitan orders its mesh), built once per process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from memsim.tracer.recorder import outside_fake
 
-    process_group(pp * dp, rank)
-    key = ("pp", pp, dp)
+    process_group(pp * dp * tp, rank)
+    key = ("pp", pp, dp, tp)
     got = _WORLD["meshes"].get(key)
     if got is None:
-        root = outside_fake(init_device_mesh)("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-        got = _WORLD["meshes"][key] = outside_fake(lambda: (root["pp"], root["dp"]))()
+        root = outside_fake(init_device_mesh)("cpu", (pp, dp, tp),
+                                              mesh_dim_names=("pp", "dp", "tp"))
+        got = _WORLD["meshes"][key] = outside_fake(
+            lambda: (root["pp"], root["dp"], root["tp"]))()
     return got
 
 

@@ -183,11 +183,18 @@ class PipelineParallel(Strategy):
                 f"precision {config.precision.value!r} is not modelled with pipeline "
                 "parallelism yet (a gradient scaler or fp32 master weights across stages)",
                 hint="--precision 32-true, bf16-mixed or bf16-true")
-        others = [k for k in given if k not in (self.key, "checkpoint", "fsdp")]
+        others = [k for k in given if k not in (self.key, "checkpoint", "fsdp", "tp")]
         if others:
             raise StrategyError(
                 f"pipeline parallelism does not combine with {', '.join(others)} yet",
-                hint="--pp alone or with --fsdp --dp N (with activation checkpointing or not)")
+                hint="--pp alone or with --fsdp --dp N and --tp N (with activation "
+                     "checkpointing or not)")
+        tp = given.get("tp")
+        if tp is not None and tp.sequence_parallel:
+            raise StrategyError(
+                "sequence parallelism (--sp) is not modelled with pipeline parallelism yet "
+                "(the stages' boundaries would carry a split sequence)",
+                hint="--pp with --tp N, without --sp")
         fsdp = given.get("fsdp")
         if fsdp is not None and fsdp.units != "blocks":
             raise StrategyError(
@@ -198,25 +205,34 @@ class PipelineParallel(Strategy):
     def apply(self, plan):
         split = self.splitter(plan.model)
         pp = self
-        fsdp = plan.given.get("fsdp")
+        fsdp, tp = plan.given.get("fsdp"), plan.given.get("tp")
         dp = fsdp.dp if fsdp is not None else 1
-        if fsdp is None:
+        tp_n = tp.tp if tp is not None else 1
+        inner = dp * tp_n
+        if inner == 1:
             classes = tuple((r,) for r in range(self.pp))
         else:
             from .mesh import rank_classes
-            # the data-parallel ranks of each pipeline rank grouped by the sizes of their
-            # shards (every parameter's: a stage holds some of them), each group traced
-            classes = tuple(tuple(r * dp + d for d in c) for r in range(self.pp)
-                            for c in rank_classes(plan.model, fsdp, None))
-        world = self.pp * dp
+            # the data- and tensor-parallel ranks of each pipeline rank grouped by the sizes of
+            # their shards (every parameter's: a stage holds some of them), each group traced
+            classes = tuple(tuple(r * inner + d for d in c) for r in range(self.pp)
+                            for c in rank_classes(plan.model, fsdp, tp))
+        world = self.pp * inner
 
         def note(info):
             sizes = ", ".join(str(len(g)) for g in split.groups)
-            over = (f"a fake process group of {pp.pp}" if fsdp is None else
-                    f"a fake process group of {world} ranks, a ({pp.pp}, {dp}) mesh of "
-                    f"pipeline by data-parallel ranks (rank = pipeline rank x {dp} + "
-                    "data-parallel rank, as torchtitan orders it), each stage's pieces and the "
-                    "stage sharded with FSDP2's fully_shard over its data-parallel ranks")
+            dims = [("pipeline", pp.pp), ("data-parallel", dp), ("tensor-parallel", tp_n)]
+            dims = [(n, d) for i, (n, d) in enumerate(dims) if i == 0 or d > 1]
+            how = [w for w, on in (
+                ("each rank's layers sharded with parallelize_module over its tensor-parallel "
+                 "ranks", tp is not None),
+                ("each stage's pieces and the stage sharded with FSDP2's fully_shard over its "
+                 "data-parallel ranks", fsdp is not None)) if on]
+            over = (f"a fake process group of {pp.pp}" if inner == 1 else
+                    f"a fake process group of {world} ranks, a "
+                    f"({', '.join(str(d) for _, d in dims)}) mesh of "
+                    f"{' by '.join(n for n, _ in dims)} ranks (the pipeline dimension "
+                    "outermost, as torchtitan orders it), " + " and ".join(how))
             yield (f"per-rank figures, traced with PyTorch's own torch.distributed.pipelining "
                    f"({pp.schedule}, {pp.micro} micro-batches, {pp.stages} stages of "
                    f"{sizes} {split.what}) on {over}; every "
@@ -230,8 +246,18 @@ class PipelineParallel(Strategy):
 
         notes: tuple = (note,)
         if fsdp is not None:
-            notes += fsdp.notes_for(plan.model, None, cuda=plan.config.device.value == "cuda")
-        return plan.but(driver=lambda rank: PipelineDriver(self, rank, split, fsdp),
+            notes += fsdp.notes_for(plan.model, tp, cuda=plan.config.device.value == "cuda")
+        if tp is not None:
+            def parallelized(model, rank):
+                from memsim.tracer.recorder import real_meshes
+
+                from .mesh import pipeline_meshes
+                with real_meshes():
+                    tp.parallelize(model, pipeline_meshes(pp.pp, dp, tp_n, rank)[2])
+            # the layers a rank holds, after the driver dropped the others
+            parallelized.paths = None
+            plan = plan.but(inside={"sharding": parallelized})
+        return plan.but(driver=lambda rank: PipelineDriver(self, rank, split, fsdp, tp_n),
                         ranks=Ranks(world=world, sampled=tuple(c[0] for c in classes),
                                     classes=classes),
                         notes=notes)
@@ -477,12 +503,12 @@ class PipelineDriver(Driver):
     owns_backward = True
     precision_ok = True
 
-    def __init__(self, pp: PipelineParallel, rank: int, split, fsdp=None):
+    def __init__(self, pp: PipelineParallel, rank: int, split, fsdp=None, tp: int = 1):
         import copy
         self.pp, self.rank, self.split = pp, rank, copy.copy(split)   # its own, per rank
-        self.fsdp = fsdp
+        self.fsdp, self.tp = fsdp, tp
         self.dp = fsdp.dp if fsdp is not None else 1
-        self.ids, self.n = pp.stage_ids(rank // self.dp)
+        self.ids, self.n = pp.stage_ids(rank // (self.dp * tp))
         self.schedule = self.optimizer = None
         self.params: list = []
 
@@ -515,7 +541,7 @@ class PipelineDriver(Driver):
     def setup(self, model, params, optimizer):
         from .mesh import process_group
 
-        process_group(self.pp.pp * self.dp, self.rank)
+        process_group(self.pp.pp * self.dp * self.tp, self.rank)
         self.model = model
         self.optimizer_factory = optimizer
         self._built = False
@@ -530,15 +556,16 @@ class PipelineDriver(Driver):
         pp = self.pp
         mods, ins, outs = self.split.build(self.model, self.ids, first_input, self.recorder)
         group = None   # the default group, where the pipeline is the whole world
-        if self.fsdp is not None:
+        if self.dp * self.tp > 1:
             from memsim.tracer.recorder import real_meshes
 
             from .mesh import pipeline_meshes
-            pp_mesh, dp_mesh = pipeline_meshes(pp.pp, self.dp, self.rank)
+            pp_mesh, dp_mesh, _ = pipeline_meshes(pp.pp, self.dp, self.tp, self.rank)
             group = pp_mesh.get_group()
-            with real_meshes():
-                for mod in mods:
-                    self.fsdp.shard_stage(mod, self.split.pieces(mod), dp_mesh)
+            if self.fsdp is not None:
+                with real_meshes():
+                    for mod in mods:
+                        self.fsdp.shard_stage(mod, self.split.pieces(mod), dp_mesh)
         stages = [PipelineStage(mod, s, self.n, first_input.device,
                                 input_args=ins[s].requires_grad_(
                                     s > 0 and ins[s].is_floating_point()),

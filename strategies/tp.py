@@ -124,8 +124,10 @@ class TensorParallel(Strategy):
         return f"TP {d['tp']}" + (" + SP" if d["sequence_parallel"] else "")
 
     def apply(self, plan):
-        if "zero" in plan.given:
-            return plan  # DeepSpeed's AutoTP shards the model inside its engine (ZeRO)
+        if "zero" in plan.given or "pp" in plan.given:
+            # DeepSpeed's AutoTP shards the model inside its engine (ZeRO); a pipeline shards
+            # each rank's layers over its own tensor-parallel group
+            return plan
         return sharded(plan, plan.given.get("fsdp"), self)
 
     def parallelize(self, model: torch.nn.Module, mesh) -> None:

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from memsim.strategies import DDP, FSDP, PipelineParallel, ZeRO, analyze
+from memsim.strategies import DDP, FSDP, PipelineParallel, TensorParallel, ZeRO, analyze
 from memsim.tracer import StrategyError
 from tests.support.oracles import dist
 
@@ -99,6 +99,8 @@ def test_a_model_or_batch_the_pipeline_cannot_split_is_named(model, inputs, opti
     (dict(zero=ZeRO(stage=2, dp=2)), "does not combine with zero"),
     (dict(ddp=DDP(dp=2)), "does not combine with ddp"),
     (dict(fsdp=FSDP(dp=2, units=("0", "1"))), "FSDP units named by path are not taken"),
+    (dict(tp=TensorParallel(2, {"*.fc1": "colwise"}, sequence_parallel=True)),
+     "sequence parallelism \\(--sp\\) is not modelled with pipeline"),
 ])
 def test_what_pipeline_parallelism_does_not_combine_with_is_named(options, words):
     with pytest.raises(StrategyError, match=words):
@@ -289,3 +291,33 @@ def test_what_a_micro_batch_keeps_for_its_backward_is_an_activation():
     live = sub.train.breakdown(at)
     assert live["activation"] > live["temporary"] > 0, live
     assert any("has no such moment here and reads 0" in n for n in report.notes)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("dp", [
+    1,
+    2,  # 8 gloo ranks: pipeline 2 x FSDP2 2 x TP 2
+])
+def test_pipeline_with_tensor_parallelism_equals_real_gloo_runs(dp):
+    """A Hugging Face Llama over pipeline 2 x TP 2 (x FSDP2): each rank's layers sharded with
+    parallelize_module over its tensor-parallel group (the model's own plan), then FSDP2 over
+    its data-parallel group: every rank's figures equal a real gloo run's (B = 6: micro-batches
+    of 3, the code path of odd micro-batches the example size traced)."""
+    pp = PipelineParallel(pp=2, schedule="1F1B", microbatches=2)
+    make = functools.partial(dist.llama_model, layers=4)
+    fsdp = FSDP(dp=2) if dp > 1 else None
+    with torch.device("meta"):
+        report = analyze(make(), LM, device="cpu", pp=pp, tp=TensorParallel(2), fsdp=fsdp)
+        groups = pp.groups(make())
+    world = 4 * dp
+    assert sorted(r for rc in report.ranks for r in rc.ranks) == list(range(world))
+    real = dist.measure(make, functools.partial(dist.llama_inputs, 6, 16),
+                        strategy=dist.Pipeline("1F1B", 2, groups, dp=dp, tp=2,
+                                               fsdp=dist.FSDP2() if dp > 1 else None),
+                        world_size=world)
+    for rank, m in enumerate(real):
+        got = _rank_report(report, rank).at(B=6, S=16)["train"]
+        assert m.other == 0, m.other_detail
+        assert (got["peak"], got["parameters"], got["gradients"], got["optimizer_states"],
+                got["activation_peak"]) == (m.peak, m.parameters, m.gradients,
+                                            m.optimizer_states, m.activation_peak), rank

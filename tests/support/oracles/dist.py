@@ -224,16 +224,20 @@ class Pipeline:
     ``pipeline``, counted in the activation peak; no device mesh is built (the stages talk over
     the default group).
 
-    ``fsdp`` (with ``dp`` > 1): a ``(world / dp, dp)`` mesh named ``("pp", "dp")``, rank
-    ``pp_rank * dp + dp_rank``; each stage's blocks (its children, or a decoder stage's
-    layers), then the stage, sharded with ``fully_shard`` over the rank's ``dp`` mesh, the
-    stages talking over its ``pp`` group (as torchtitan builds them)."""
+    ``fsdp`` (with ``dp`` > 1) and ``tp`` > 1: a ``(world / (dp tp), dp, tp)`` mesh named
+    ``("pp", "dp", "tp")``, rank ``(pp_rank * dp + dp_rank) * tp + tp_rank``; the whole
+    model tensor-parallel first (``tp_plan``, :class:`TP`'s), then each stage's blocks (its
+    children, or a decoder stage's layers) and the stage sharded with ``fully_shard`` over the
+    rank's ``dp`` mesh, the stages talking over its ``pp`` group (as torchtitan builds
+    them)."""
 
     schedule: str = "1F1B"
     microbatches: int = 2
     groups: Sequence[Sequence[int]] = ()
     dp: int = 1
     fsdp: Any = None   # an FSDP2 of the stages (dp > 1)
+    tp: int = 1
+    tp_plan: Any = None   # a TP plan (tp > 1): LLAMA_TP_PLAN by default
 
 
 # q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms and LM head stay replicated.
@@ -554,6 +558,20 @@ def _fsdp_internal_tensors(model: nn.Module) -> list:
     return out
 
 
+def _device_mesh_tensors() -> list:
+    """The tensors device meshes hold (their tables of ranks: host bookkeeping)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    out = []
+    with warnings.catch_warnings():  # isinstance() on torch.distributed.reduce_op warns
+        warnings.simplefilter("ignore")
+        found = [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]
+    for o in found:
+        for v in vars(o).values():
+            vs = v if isinstance(v, (list, tuple)) else [v]
+            out += [x for x in vs if isinstance(x, torch.Tensor)]
+    return out
+
+
 def _live_tensors() -> list:
     with warnings.catch_warnings():  # isinstance() on torch.distributed.reduce_op warns
         warnings.simplefilter("ignore")
@@ -714,7 +732,9 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
     whole = model.pop()
     n = len(p.groups)
     v_shape = p.schedule in ("ZBVZeroBubble", "DualPipeV")
-    stage_rank, ranks = rank // p.dp, world_size // p.dp
+    stage_rank, ranks = rank // (p.dp * p.tp), world_size // (p.dp * p.tp)
+    if p.tp > 1:
+        whole = _apply_tp(whole, mesh["tp"], TP(plan=p.tp_plan or dict(LLAMA_TP_PLAN)))
     ids = ([stage_rank, n - 1 - stage_rank] if v_shape
            else list(range(stage_rank, n, ranks)))
     x = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
@@ -745,6 +765,7 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
     group = None
     if mesh is not None:
         group = mesh["pp"].get_group()
+    if p.dp > 1:
         for mod in mods:
             blocks = ([f"lm.{mod.lm.base_model_prefix}.layers.{j}" for j in range(len(
                 getattr(mod.lm, mod.lm.base_model_prefix).layers))]
@@ -789,10 +810,11 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
             ("inputs", [v for v in inputs.values() if isinstance(v, torch.Tensor)]),
             ("fsdp_internal", _fsdp_internal_tensors(model)),
             ("previous", []),
-            ("pipeline", [t for t in _live_tensors() if id(t) not in owned]),
+            ("pipeline", [t for t in live() if id(t) not in owned]),
             # not the constant torch.distributed.pipelining makes at import (sum_reducer's
-            # 4-byte initial loss), which every process that imports it holds
-            ("other", [t for t in _live_tensors() if t is not reducer]),
+            # 4-byte initial loss), which every process that imports it holds, nor the device
+            # meshes' tables of ranks (host bookkeeping, on the CPU whatever the device)
+            ("other", [t for t in live() if t is not reducer]),
         ]
 
     def owned_ids():
@@ -803,6 +825,10 @@ def measure_pipeline_step(model: list, inputs: dict, p: Pipeline, *, loss_fn=Non
 
     from torch.distributed.pipelining.microbatch import sum_reducer
     reducer = sum_reducer.init_value
+    meshes = {id(t) for t in _device_mesh_tensors()}
+
+    def live():
+        return [t for t in _live_tensors() if id(t) not in meshes]
     owned = owned_ids()
     figures = _counted_step(groups, one_step, settle_s)
     return RankMemory(rank=rank, world_size=world_size, **figures,
@@ -1085,10 +1111,10 @@ def _rank_main(rank: int, job: _Job):
                 mesh = init_device_mesh("cpu", (job.strategy.dp, job.strategy.tp),
                                         mesh_dim_names=("dp", "tp"))
             elif isinstance(job.strategy, Pipeline):
-                if job.strategy.dp > 1:
-                    mesh = init_device_mesh("cpu", (job.world_size // job.strategy.dp,
-                                                    job.strategy.dp),
-                                            mesh_dim_names=("pp", "dp"))
+                st = job.strategy
+                if st.dp * st.tp > 1:
+                    mesh = init_device_mesh("cpu", (job.world_size // (st.dp * st.tp), st.dp,
+                                                    st.tp), mesh_dim_names=("pp", "dp", "tp"))
                 # else the stages talk over the default group: no mesh
             else:
                 mesh = init_device_mesh("cpu", (job.world_size,))
