@@ -34,6 +34,10 @@ class Curve:
     fits : dict of str to int or None
         Per capacity label: the largest size whose total fits (None: every size up to the
         model's limit; 0: none).
+    at : int or None
+        The point's size of ``symbol``.
+    limit : int or None
+        The largest size the model takes (its positions), where it has one.
     """
 
     label: str
@@ -43,6 +47,8 @@ class Curve:
     allocated: list[int]
     regimes: list[tuple[int, str]] = field(default_factory=list)
     fits: dict = field(default_factory=dict)
+    at: int | None = None
+    limit: int | None = None
 
 
 def sizes_for(report, symbol: str, point: dict[str, int], n: int = 12) -> list[int]:
@@ -85,4 +91,5 @@ def curve(report, point: dict[str, int], symbol: str, *, label: str = "",
         usable = int(g.bytes * (1 - margin))
         m = TotalModel(report, step, overheads or Overheads(), g.family, usable)
         fits[name] = largest_fitting(m, report, point, symbol, usable, [])
-    return Curve(label, symbol, sizes, totals, allocated, regimes, fits)
+    return Curve(label, symbol, sizes, totals, allocated, regimes, fits, point.get(symbol),
+                 report.extent.get(symbol, (1, None))[1])

@@ -24,6 +24,10 @@ from .memory import PeakPoint, peak_point_of, live_at
 from .reserved import replay, sizes_at, timeline_edit, walk_events
 
 ADDED = "strategy buffers"   # storages a modelled strategy adds (DDP's buckets)
+# what the loop's ``out`` and ``loss`` hold: the step's output and loss from the moment they are
+# made, and the previous step's while the loop has not rebound its names
+# (:mod:`memsim.tracer.previous`); other views count them as activations or temporaries
+OUTPUT = "output"
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,9 @@ class Timeline:
     device : str
     series : dict of str to list of int
         Live bytes of each category after each event (index ``j``: the ``j``-th event of the
-        measured step; the step's starting state is before index 0).
+        measured step; ``"output"``: what the loop's ``out`` and ``loss`` hold, this step's
+        and the previous one's, which :meth:`StepMemory.breakdown` counts in its category;
+        the step's starting state is before index 0).
     ops : list of int
         The op index of each event (what allocated or freed it).
     phases : list of (str, int, int)
@@ -57,7 +63,8 @@ class Timeline:
         The largest total and the first event where it is reached (-1: at the start).
     peak_where : PeakPoint
     at_peak : list of LiveGroup
-        What is live at the peak, by module and category, largest first.
+        What is live at the peak, by module and category, largest first (the ``top`` largest
+        where :func:`timeline` is given one, else all).
     reserved : list of int or None
         The caching allocator's reserved bytes after each event (CUDA), else None.
     totals : list of int
@@ -80,7 +87,7 @@ class Timeline:
 
 def timeline(report, point: dict[str, int], *, step: str | None = None,
              alloc_conf: AllocConf | None = None, workspace: int = 0,
-             top: int = 12) -> Timeline:
+             top: int | None = None) -> Timeline:
     """The timeline of ``report``'s training step (or ``step="inference"``) at ``point``."""
     sub, pt = report.for_point(point)
     name = step or ("train" if sub.train is not None else "inference")
@@ -94,7 +101,10 @@ def timeline(report, point: dict[str, int], *, step: str | None = None,
     added, moved, keep = timeline_edit(sm, subs)
 
     def cat_of(key) -> str:
-        return ADDED if key[0] == "a" else run.storages[key[1]].category.value
+        if key[0] == "a":
+            return ADDED
+        st = run.storages[key[1]]
+        return OUTPUT if st.held or st.op.startswith("<previous ") else st.category.value
 
     live: dict = {}
     sums: dict[str, int] = {}
@@ -116,7 +126,7 @@ def timeline(report, point: dict[str, int], *, step: str | None = None,
     for k, (n, at, _free) in enumerate(added):
         if at <= run.start:
             take(("a", k), n)
-    cats = [c.value for c in Category] + ([ADDED] if added else [])
+    cats = [c.value for c in Category] + [OUTPUT] + ([ADDED] if added else [])
     series: dict[str, list[int]] = {c: [] for c in cats}
     snapshots: list[int] = []
 
@@ -144,7 +154,7 @@ def timeline(report, point: dict[str, int], *, step: str | None = None,
         if not b or (keep is not None and not keep(run.storages[sid], 1)):
             continue
         s = run.storages[sid]
-        g = groups.setdefault((s.module if s.module is not None else "-", s.category.value),
+        g = groups.setdefault((s.module if s.module is not None else "-", cat_of(("s", sid))),
                               [0, 0])
         g[0] += b
         g[1] += 1

@@ -30,7 +30,7 @@ def write_html(args, report, point, setup, text: str, budget) -> None:
                       workspace=workspace(report, setup))
         curves, caps = size_curves(args, [("", report, point)], setup)
         if curves:
-            scaling = scaling_figure(curves, caps, args.margin)
+            scaling = scaling_figure(curves, caps, args.margin, _names(args))
     from .formats import answer
     title = f"memsim: {args.target} at " + ", ".join(f"{k}={v}" for k, v in point.items())
     verdict = answer(report, budget, {**report.fixed, **point}, args.target) \
@@ -48,8 +48,12 @@ def write_plot(args, rows, setup) -> None:
         raise UsageError(f"--plot draws against {args.batch_symbol} or {args.seq_symbol}, "
                          "which no input uses",
                          hint="name the symbols with --batch-symbol / --seq-symbol")
-    path = save_figure(scaling_figure(curves, caps, args.margin), args.plot)
+    path = save_figure(scaling_figure(curves, caps, args.margin, _names(args)), args.plot)
     print(f"memsim: memory against size written to {path}", file=sys.stderr)
+
+
+def _names(args) -> dict:
+    return {args.batch_symbol: "batch size", args.seq_symbol: "sequence length"}
 
 
 def size_curves(args, rows, setup):

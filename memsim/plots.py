@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import io
+import re
 from pathlib import Path
 
 from memsim.render import largest
@@ -17,10 +18,11 @@ from memsim.tracer import UsageError
 # one colour per category, stable across pictures (matplotlib's tab10 order)
 COLORS = {"parameter": "#1f77b4", "gradient": "#ff7f0e", "optimizer_state": "#2ca02c",
           "activation": "#d62728", "temporary": "#9467bd", "input": "#8c564b",
-          "buffer": "#e377c2", "strategy buffers": "#7f7f7f"}
+          "buffer": "#e377c2", "strategy buffers": "#7f7f7f", "output": "#bcbd22"}
 LABELS = {"optimizer_state": "optimizer states", "parameter": "parameters",
           "gradient": "gradients", "activation": "activations (saved for backward)",
-          "temporary": "temporaries", "input": "inputs", "buffer": "buffers"}
+          "temporary": "temporaries", "input": "inputs", "buffer": "buffers",
+          "output": "output and loss the loop holds"}
 FORMATS = (".png", ".svg", ".pdf", ".html")
 
 
@@ -46,44 +48,137 @@ def _point(tl) -> str:
     return ", ".join(f"{k}={v}" for k, v in tl.point.items()) or "-"
 
 
-def timeline_figure(tl):
-    """A matplotlib Figure of :class:`memsim.analysis.timeline.Timeline` ``tl``."""
+def card_lines(budget) -> list[tuple[str, int, str]]:
+    """``(label, bytes, style)`` of the card drawn on a timeline: its memory, and what the
+    caching allocator may reserve of it (the usable share, less what lives outside the
+    allocator: the CUDA context, communication libraries' own buffers)."""
+    if budget is None or not budget.capacity:
+        return []
+    name = budget.gpu.name if budget.gpu is not None else "the memory given"
+    outside = sum(v for k, v in budget.overhead.items()
+                  if k not in ("allocator_cache", "cublas_workspace"))
+    usable = int(budget.capacity * (1 - budget.margin)) - outside
+    return [(f"{name}: {_human(budget.capacity)}", budget.capacity, "-"),
+            (f"usable by the allocator: {_human(usable)} ({1 - budget.margin:.0%}"
+             + (f", less {_human(outside)} outside it" if outside else "") + ")", usable, "-.")]
+
+
+def _thin(tl, columns: int):
+    """The event indices drawn: in a short step every one; in a long one, per run of events
+    one column wide, the event whose total is largest (the peak and every local high stay;
+    the picture's pixels could not show more); of those, the first, the last and each where
+    some line changes (a step drawn "post" holds its value until the next)."""
+    n = len(tl.totals)
+    if n == 0:
+        return []
+    keep, per = [], n / columns
+    if n <= columns:
+        keep = list(range(n))
+    for c in range(columns if n > columns else 0):
+        lo, hi = int(c * per), max(int((c + 1) * per), int(c * per) + 1)
+        keep.append(max(range(lo, min(hi, n)), key=tl.totals.__getitem__))
+    keep = sorted(set(keep + [0, n - 1]))   # (the peak is its column's highest)
+    # a step drawn "post" needs only the events where some series changes
+    rows = [tl.series[c] for c in tl.series] + [tl.totals] + (
+        [tl.reserved] if tl.reserved is not None else [])
+    return [j for i, j in enumerate(keep)
+            if i == 0 or i == len(keep) - 1 or any(r[j] != r[keep[i - 1]] for r in rows)]
+
+
+def timeline_figure(tl, budget=None, columns: int = 600):
+    """A matplotlib Figure of :class:`memsim.analysis.timeline.Timeline` ``tl``; ``budget``
+    (:class:`memsim.analysis.budget.Budget`): the card's lines, and where the allocator runs
+    out of it. A long step is drawn at ``columns`` events (:func:`_thin`)."""
     plt = pyplot()
-    div, unit = _unit(max(tl.peak, max(tl.reserved or [0])))
+    # what the allocator reserves far above what the tensors hold (a small step: a 20 MiB
+    # segment and the cuBLAS workspace for a few MiB of tensors) would squash the step to the
+    # bottom of the axis: the axis is the tensors', the reserved line leaves it
+    most = max(tl.reserved or [0])
+    clipped = most > 3 * tl.peak
+    data = tl.peak if clipped else max(tl.peak, most)
+    # a card far above the step (a small model on a large GPU) would squash the data too: it
+    # is named in the legend instead of drawn
+    cards, above = [], []
+    lines = card_lines(budget)
+    for label, b, style in lines:
+        (cards if b <= 2 * data else above).append((label, b, style))
+    high = max([data] + [b for _, b, _ in cards])
+    div, unit = _unit(high)
     fig, ax = plt.subplots(figsize=(13, 5.5), layout="constrained")
-    x = list(range(len(tl.ops)))
+    idx = _thin(tl, columns)
+    x = idx
     names = list(tl.series)
-    ax.stackplot(x, *[[v / div for v in tl.series[c]] for c in names],
+    ax.stackplot(x, *[[tl.series[c][j] / div for j in idx] for c in names],
                  labels=[LABELS.get(c, c) for c in names],
                  colors=[COLORS.get(c, "#bcbd22") for c in names], step="post", alpha=0.9)
     # the total as a line too: a one-event spike is thinner than a pixel in a long step
-    ax.step(x, [v / div for v in tl.totals], where="post", color="0.15", linewidth=0.6,
+    ax.step(x, [tl.totals[j] / div for j in idx], where="post", color="0.15", linewidth=0.6,
             label="live in all")
     if tl.reserved is not None:
-        ax.step(x, [v / div for v in tl.reserved], where="post", color="black",
-                linestyle="--", linewidth=1.2, label="reserved by the caching allocator")
-    top = max(tl.peak, max(tl.reserved or [0])) / div * 1.12
+        ax.step(x, [tl.reserved[j] / div for j in idx], where="post", color="black",
+                linestyle="--", linewidth=1.2, label="reserved by the caching allocator" + (
+                    f" (up to {_human(most)}: above the plot)" if clipped else ""))
+    for label, b, style in cards:
+        ax.axhline(b / div, color="#b71c1c", linestyle=style, linewidth=1.1, label=label)
+    for label, b, style in above:
+        ax.plot([], [], color="#b71c1c", linestyle=style, linewidth=1.1,
+                label=f"{label}: above the plot")
+    if lines and tl.reserved is not None and budget.replay is not None \
+            and budget.replay.oom is not None:
+        # the replay confined to the card ran out: where the step first needs more than the
+        # allocator may hold
+        limit = lines[1][1]
+        first = next((j for j, v in enumerate(tl.totals) if v > limit), None)
+        line = tl.totals
+        if first is None:   # the cache and the cuBLAS workspace do not fit beside the tensors
+            first = next((j for j, v in enumerate(tl.reserved) if v > limit), None)
+            line = tl.reserved
+        if first is not None:
+            ax.plot([first], [line[first] / div], marker="X", color="#b71c1c",
+                    markersize=10, linestyle="none", zorder=6,
+                    label="out of memory by here (the allocator confined to the card)")
+    top = high / div * 1.12
     for k, (name, lo, hi) in enumerate(tl.phases):
         if k % 2:
             ax.axvspan(lo - 0.5, hi + 0.5, color="0.93", zorder=0)
-        ax.text((lo + hi) / 2, top * 0.985, name, ha="center", va="top", fontsize=8,
-                color="0.3")
     if tl.peak_index >= 0:
         ax.plot([tl.peak_index], [tl.peak / div], marker="v", color="black", markersize=8,
                 linestyle="none", zorder=5)
         ax.annotate(f"peak {tl.peak / div:.3g} {unit}\n{tl.peak_where}",
-                    (tl.peak_index, tl.peak / div), xytext=(0.5, 0.90),
+                    (tl.peak_index, tl.peak / div), xytext=(0.5, 0.97),
                     textcoords="axes fraction", ha="center", va="top", fontsize=8,
                     bbox={"boxstyle": "round", "fc": "white", "ec": "0.6"},
                     arrowprops={"arrowstyle": "->", "color": "0.3"})
     ax.set_ylim(0, top)
-    ax.set_xlim(-0.5, max(len(x) - 0.5, 0.5))
+    ax.set_xlim(-0.5, max(len(tl.totals) - 0.5, 0.5))
     ax.set_xlabel("allocations and frees of the step, in order")
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_title(f"{tl.step} step at {_point(tl)} on {tl.device} (predicted by memsim)",
-                 fontsize=10)
+                 fontsize=10, pad=16)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    _phase_labels(fig, ax, tl.phases)
     return fig
+
+
+def _phase_labels(fig, ax, phases) -> None:
+    """Each phase's name above the plot, over its range; a name wider than its phase that
+    would run into another's is left out (the widest phases keep theirs)."""
+    import matplotlib.transforms as mtransforms
+    where = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
+    texts = [ax.text((lo + hi) / 2, 1.005, name, ha="center", va="bottom", fontsize=8,
+                     color="0.3", transform=where, clip_on=False)
+             for name, lo, hi in phases]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    axes_box = ax.get_window_extent(renderer)
+    placed = []
+    for k in sorted(range(len(phases)), key=lambda k: phases[k][1] - phases[k][2]):
+        box = texts[k].get_window_extent(renderer)
+        if any(box.overlaps(o) for o in placed) or box.x0 < axes_box.x0 - 2 \
+                or box.x1 > axes_box.x1 + 2:
+            texts[k].remove()
+        else:
+            placed.append(box)
 
 
 def _human(n: int) -> str:
@@ -91,14 +186,50 @@ def _human(n: int) -> str:
     return f"{n / div:.2f} {unit}" if unit != "B" else f"{n} B"
 
 
+def _natural(text: str) -> list:
+    """A key sorting ``h.2`` before ``h.10``."""
+    import re
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
+
+
+def _module_name(module: str) -> str:
+    return {"-": "(no module: the loop, the optimizer)", "": "(the model itself)"}.get(
+        module, module)
+
+
+def at_peak_rows(tl, shown: int = 12) -> tuple[list, int, int]:
+    """What is live at the peak by module and category, repeated blocks grouped (``h.*`` for
+    ``h.0`` ... ``h.11``): ``([(module, blocks, category, tensors, bytes)], more, total)``,
+    largest first then in the model's order, at most ``shown`` rows; ``more``: rows left out,
+    ``total``: the bytes of every row."""
+    import re
+    groups: dict = {}
+    for g in tl.at_peak:
+        key = (re.sub(r"\.\d+(?=\.|$)", ".*", g.module), g.category)
+        row = groups.setdefault(key, [set(), 0, 0])
+        row[0].add(g.module)
+        row[1] += g.count
+        row[2] += g.bytes
+    rows = sorted(((m, len(ms), c, k, b) for (m, c), (ms, k, b) in groups.items()),
+                  key=lambda r: (-r[4], _natural(r[0]), r[2]))
+    return rows[:shown], max(len(rows) - shown, 0), sum(r[4] for r in rows)
+
+
 def _at_peak_table(tl, heading: str) -> str:
-    """What is live at the timeline's peak, by module and category, as an HTML table."""
-    rows = "\n".join(
-        f"<tr><td>{html.escape(g.module)}</td><td>{html.escape(LABELS.get(g.category, g.category))}"
-        f"</td><td class=n>{g.count}</td><td class=n>{_human(g.bytes)}</td></tr>"
-        for g in tl.at_peak)
+    """What is live at the peak, by module and category, as an HTML table (:func:`at_peak_rows`:
+    repeated blocks grouped, a total row)."""
+    rows, more, total = at_peak_rows(tl)
+    body = "\n".join(
+        f"<tr><td>{html.escape(_module_name(m))}{f' &times; {n}' if n > 1 else ''}</td>"
+        f"<td>{html.escape(LABELS.get(c, c))}</td><td class=n>{k}</td>"
+        f"<td class=n>{_human(b)}</td></tr>" for m, n, c, k, b in rows)
+    if more:
+        body += (f"\n<tr><td colspan=3><i>{more} more</i></td><td class=n>"
+                 f"{_human(total - sum(r[4] for r in rows))}</td></tr>")
+    body += (f"\n<tr class=total><td colspan=3>total live at the peak</td><td class=n>"
+             f"{_human(total)}</td></tr>")
     return (f"{heading}\n<table><tr><th>module</th><th>category</th><th>tensors</th>"
-            f"<th>bytes</th></tr>\n{rows}</table>")
+            f"<th>bytes</th></tr>\n{body}</table>")
 
 
 def timeline_html(tl, title: str = "memsim timeline") -> str:
@@ -138,46 +269,70 @@ def save_timeline(tl, path: str) -> Path:
 COMMON_GPUS = ("rtx-4090", "a100-40gb", "h100-80gb", "h200")
 
 
-def scaling_figure(curves: dict, capacities: dict, margin: float):
-    """Total against each symbol (a subplot per symbol), one line per configuration, each
+def scaling_figure(curves: dict, capacities: dict, margin: float, names: dict | None = None):
+    """Total against each symbol (a subplot per symbol), one line per configuration: each
     capacity's usable memory as a horizontal line, the largest fitting size of each
-    configuration marked on it, and where the peak's regime changes."""
+    configuration marked on it, the point asked for, the model's own limit, where the peak's
+    regime changes (in the legend). The axes span the useful range: up to twice the point or
+    the largest fitting size, whichever is larger. ``names``: ``{symbol: what it is}``
+    ("batch size"), for the axis."""
     plt = pyplot()
     syms = list(curves)
     fig, axes = plt.subplots(1, len(syms), figsize=(6.5 * len(syms), 5), layout="constrained",
                              squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, sym in zip(axes[0], syms):
-        peak = max(max(c.totals) for c in curves[sym])
-        top = max([peak] + [int(g.bytes * (1 - margin)) for g in capacities.values()])
+        cs = curves[sym]
+        interest = [c.at or 1 for c in cs] + [v for c in cs for v in c.fits.values() if v]
+        right = min(max(max(c.sizes) for c in cs), max(2 * max(interest), 8))
+        shown = [[(v, t) for v, t in zip(c.sizes, c.totals) if v <= right] for c in cs]
+        peak = max(t for pts in shown for _, t in pts)
+        # a card far above every curve is named in the legend, not drawn (it would squash them)
+        drawn = {n: g for n, g in capacities.items() if g.bytes * (1 - margin) <= 3 * peak}
+        top = max([peak] + [int(g.bytes * (1 - margin)) for g in drawn.values()])
         div, unit = _unit(top)
-        for k, c in enumerate(curves[sym]):
+        for k, (c, pts) in enumerate(zip(cs, shown)):
             col = colors[k % len(colors)]
-            ax.plot(c.sizes, [t / div for t in c.totals], marker="o", markersize=3, color=col,
-                    label=c.label or "total")
-            for v, where in c.regimes[1:]:
-                ax.axvline(v, color=col, linestyle=":", linewidth=0.8)
-                ax.text(v, peak / div * 0.02, f" {where.split(':')[0]} from {sym}={v}",
-                        rotation=90, fontsize=6, color=col, va="bottom")
-            for name, g in capacities.items():
+            ax.plot([v for v, _ in pts], [t / div for _, t in pts], marker="o", markersize=3,
+                    color=col, label=c.label or "total per device")
+            if c.at is not None and c.at <= right:
+                at_total = dict(zip(c.sizes, c.totals)).get(c.at)
+                if at_total is not None:
+                    ax.plot([c.at], [at_total / div], marker="*", markersize=13, color=col,
+                            markeredgecolor="black", linestyle="none", zorder=5,
+                            label=f"{sym}={c.at} (asked for): {_human(at_total)}")
+            for v, where in [r for r in c.regimes[1:] if r[0] <= right][:4]:
+                ax.axvline(v, color=col, linestyle=":", linewidth=0.9,
+                           label=f"from {sym}={v} the peak is in {where.split(':')[0]}")
+            for name, g in drawn.items():
                 got = c.fits.get(name)
-                if got:
-                    ax.plot([got], [g.bytes * (1 - margin) / div], marker="|", markersize=12,
-                            color=col)
-                    ax.annotate(f"{sym}<={got}", (got, g.bytes * (1 - margin) / div),
-                                xytext=(2, 3 + 9 * k), textcoords="offset points", fontsize=7,
+                if got and got <= right:
+                    ax.plot([got], [g.bytes * (1 - margin) / div], marker="|", markersize=14,
+                            markeredgewidth=2, color=col, linestyle="none")
+                    ax.annotate(f"{sym} <= {got}", (got, g.bytes * (1 - margin) / div),
+                                xytext=(4, 5 + 11 * k), textcoords="offset points", fontsize=8,
                                 color=col)
+        limit = next((c.limit for c in cs if c.limit is not None), None)
+        if limit is not None and limit <= right:
+            ax.axvline(limit, color="0.2", linewidth=1.4,
+                       label=f"the model's limit: {sym} <= {limit}")
         for name, g in capacities.items():
             y = g.bytes * (1 - margin) / div
-            ax.axhline(y, color="0.5", linestyle="--", linewidth=0.8)
-            ax.text(1.0, y, f" {name} ({1 - margin:.0%})", transform=ax.get_yaxis_transform(),
-                    fontsize=7, va="center", ha="left", color="0.3")
-        ax.set_xlim(0, max(max(c.sizes) for c in curves[sym]) * 1.05)
-        ax.set_xlabel(sym)
+            if name in drawn:
+                ax.axhline(y, color="#b71c1c", linestyle="-.", linewidth=0.9,
+                           label=f"{name}: {1 - margin:.0%} usable")
+            else:
+                usable = _human(int(g.bytes * (1 - margin)))
+                ax.plot([], [], color="#b71c1c", linestyle="-.", linewidth=0.9,
+                        label=f"{name}: {1 - margin:.0%} usable, {usable}, above the plot")
+        ax.set_xlim(0, right * 1.04)
+        what = (names or {}).get(sym)
+        ax.set_xlabel(f"{what} {sym}" if what else sym)
         ax.set_ylabel(f"total per device ({unit})")
-        ax.set_ylim(0, top / div * 1.08)
+        ax.set_ylim(0, top / div * 1.12)
         ax.set_title(f"memory against {sym} (predicted by memsim)", fontsize=10)
-        ax.legend(fontsize=8, loc="upper left")
+        # below the plot: inside, it would hide the curve and the point asked for
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.13), frameon=False)
     return fig
 
 
@@ -197,9 +352,15 @@ def save_figure(fig, path: str) -> Path:
 
 
 def svg_of(fig) -> str:
+    """The figure as inline SVG, its text as text (a browser lays it out: smaller, and the
+    labels can be found and measured)."""
+    import matplotlib
     buf = io.StringIO()
-    fig.savefig(buf, format="svg")
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "memsim"}):
+        fig.savefig(buf, format="svg")
     text = buf.getvalue()
+    # paths' coordinates to a hundredth of a point (matplotlib writes millionths)
+    text = re.sub(r' d="[^"]*"', lambda m: re.sub(r"(\.\d\d)\d+", r"\1", m.group(0)), text)
     return text[text.index("<svg"):]
 
 
@@ -212,7 +373,8 @@ def _page(title: str, body: str) -> str:
 _CSS = ("body{font-family:sans-serif;margin:2em;max-width:1300px}"
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
         "padding:3px 8px}td.n{text-align:right}svg{max-width:100%;height:auto}"
-        "pre{background:#f6f6f6;padding:8px;overflow-x:auto}"
+        "pre{background:#f6f6f6;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}"
+        "tr.total td{font-weight:bold}summary{cursor:pointer;font-weight:bold}"
         ".verdict{font-size:1.15em;padding:.6em .8em;border-radius:6px}"
         ".verdict .badge{font-weight:bold;color:#fff;padding:.15em .5em;border-radius:4px;"
         "margin-right:.4em}.fits{background:#e8f5e9}.fits .badge{background:#2e7d32}"
@@ -254,7 +416,7 @@ def report_html(title: str, text: str, tl=None, scaling=None, budget=None,
                      + (f"; largest sequence {html.escape(largest(budget, 'seq'))}"
                         if budget.max_seq is not None else "") + ".</p>")
     if tl is not None:
-        fig = timeline_figure(tl)
+        fig = timeline_figure(tl, budget)
         parts.append("<h2>The step, allocation by allocation</h2>\n" + svg_of(fig))
         plt.close(fig)
         parts.append(_at_peak_table(
@@ -263,5 +425,6 @@ def report_html(title: str, text: str, tl=None, scaling=None, budget=None,
     if scaling is not None:
         parts.append("<h2>Memory against size</h2>\n" + svg_of(scaling))
         plt.close(scaling)
-    parts.append("<h2>The report</h2>\n<pre>" + html.escape(text) + "</pre>")
+    parts.append("<details id=report><summary>The full text report (every table, the exact "
+                 "formulas, the notes)</summary>\n<pre>" + html.escape(text) + "</pre></details>")
     return _page(title, "\n".join(parts))

@@ -50,7 +50,10 @@ def test_html_report_is_one_well_formed_page(tmp_path, capsys):
     assert p.resources == []                 # self-contained: nothing loaded from elsewhere
     assert "<script" not in html and "<link" not in html
     assert p.count["svg"] == 2               # the timeline and memory against size
-    assert p.count["table"] >= 1 and p.count["h2"] == 3
+    assert p.count["table"] >= 1 and p.count["h2"] == 2
+    # the full text report last, collapsed; what is live at the peak with a total row
+    assert p.count["details"] == 1 and html.rindex("<details") > html.rindex("<svg")
+    assert "total live at the peak" in html
     assert '<span class=badge>FITS</span> train step of examples/nanogpt_block.py:small at ' \
         'B=2, S=8' in html and "of H100 80GB HBM3's" in html
     # the full text report is in the page, escaped
@@ -65,3 +68,43 @@ def test_html_report_options_checked_before_tracing(tmp_path, capsys):
     assert "--html needs a point" in capsys.readouterr().err
     assert main(ARGS + ["--at", "B=2,S=8", "--html", str(tmp_path / "r.txt")]) == 2
     assert "not an .html file" in capsys.readouterr().err
+
+
+def test_the_timeline_shows_the_card_and_where_the_allocator_runs_out(tmp_path, capsys):
+    """--memory 460MiB: the card far above the step is named in the legend, not drawn; the
+    share the allocator may use (90% less the CUDA context: the budget's own limit) is drawn,
+    and where the replay confined to it runs out is marked."""
+    page = tmp_path / "r.html"
+    assert main(ARGS[:-2] + ["--memory", "460MiB", "--at", "B=2,S=8", "--no-options",
+                             "--html", str(page)]) == 0
+    html = page.read_text()
+    assert "DOES NOT FIT" in html
+    assert "the memory given: 460.00 MiB: above the plot" in html
+    assert "usable by the allocator: 14.00 MiB (90%, less 400.00 MiB outside it)" in html
+    assert "out of memory by here" in html
+    # the limit drawn is the one the budget's note names
+    assert "cannot be reserved within 14,680,064 B" in capsys.readouterr().out
+
+
+def test_live_at_the_peak_groups_repeated_blocks():
+    from types import SimpleNamespace
+
+    from memsim.analysis.timeline import LiveGroup
+    from memsim.plots import _at_peak_table, at_peak_rows
+    groups = [LiveGroup(f"h.{i}.mlp", "activation", 100, 2) for i in range(12)] + [
+        LiveGroup("-", "temporary", 500, 1), LiveGroup("", "activation", 50, 1)] + [
+        LiveGroup(f"x{i}", "temporary", 10 - i, 1) for i in range(12)]
+    tl = SimpleNamespace(at_peak=groups)
+    rows, more, total = at_peak_rows(tl)
+    assert rows[0] == ("h.*.mlp", 12, "activation", 24, 1200)
+    assert rows[1] == ("-", 1, "temporary", 1, 500)
+    assert [r[0] for r in rows[3:]] == [f"x{i}" for i in range(9)]   # largest first
+    assert (more, total) == (3, 1200 + 500 + 50 + sum(10 - i for i in range(12)))
+    table = _at_peak_table(tl, "")
+    assert "h.*.mlp &times; 12" in table and "3 more" in table
+    assert "(no module: the loop, the optimizer)" in table and "(the model itself)" in table
+    assert "total live at the peak" in table
+    # block2 before block10 where the bytes are equal
+    rows, _, _ = at_peak_rows(SimpleNamespace(at_peak=[
+        LiveGroup("block10", "activation", 5, 1), LiveGroup("block2", "temporary", 5, 1)]))
+    assert [r[0] for r in rows] == ["block2", "block10"]

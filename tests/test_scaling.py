@@ -4,7 +4,6 @@ The curve's totals are the budget's at each size; on the CPU those are real runs
 (checked here at three sizes), and the largest fitting size is the budget's solver's answer.
 """
 
-import pytest
 import torch
 
 from memsim.analysis import analyze
@@ -53,27 +52,71 @@ def test_cuda_curve_is_the_budgets_total_and_regimes():
 
 
 def test_scaling_figure_data():
+    """The curve over the useful range (up to twice the point or the largest fitting size),
+    the point asked for marked with its total, each card's usable line, each fitting size on
+    it, the regime changes in the legend, the axes named."""
     from memsim.plots import scaling_figure
     r = _report("cuda")
     caps = {"H100": gpu("h100-80gb"), "4090": gpu("rtx-4090")}
     curves = {s: [curve(r, {"B": 4, "S": 64}, s, label="one", capacities=caps)]
               for s in ("B", "S")}
-    fig = scaling_figure(curves, caps, 0.1)
+    fig = scaling_figure(curves, caps, 0.1, {"B": "batch size", "S": "sequence length"})
     assert len(fig.axes) == 2
     for ax, s in zip(fig.axes, ("B", "S")):
         c = curves[s][0]
+        assert c.at == {"B": 4, "S": 64}[s]
+        right = min(max(c.sizes), max(2 * max([c.at] + [v for v in c.fits.values() if v]), 8))
+        assert ax.get_xlim()[1] == right * 1.04
         line = [ln for ln in ax.get_lines() if ln.get_label() == "one"][0]
-        assert list(line.get_xdata()) == c.sizes
+        assert list(line.get_xdata()) == [v for v in c.sizes if v <= right]
         div = {"GiB": 2 ** 30, "MiB": 2 ** 20}[ax.get_ylabel().split("(")[1].rstrip(")")]
-        assert list(line.get_ydata()) == [t / div for t in c.totals]
-        hlines = sorted(ln.get_ydata()[0] for ln in ax.get_lines()
-                        if ln.get_linestyle() == "--")
-        assert hlines == sorted(g.bytes * 0.9 / div for g in caps.values())
+        assert list(line.get_ydata()) == [t / div for v, t in zip(c.sizes, c.totals)
+                                          if v <= right]
+        star = [ln for ln in ax.get_lines() if ln.get_marker() == "*"][0]
+        assert list(star.get_xdata()) == [c.at]
+        assert list(star.get_ydata()) == [dict(zip(c.sizes, c.totals))[c.at] / div]
+        assert star.get_label().startswith(f"{s}={c.at} (asked for)")
+        # a card within three times the curve's top is drawn; one far above it is named in the
+        # legend (drawn, it would squash the curve to the bottom)
+        top = max(t for v, t in zip(c.sizes, c.totals) if v <= right)
+        near = {n: g for n, g in caps.items() if g.bytes * 0.9 <= 3 * top}
+        usable = sorted(ln.get_ydata()[0] for ln in ax.get_lines()
+                        if ln.get_label().endswith("usable"))
+        assert usable == sorted(g.bytes * 0.9 / div for g in near.values())
+        legend = ax.get_legend_handles_labels()[1]
+        assert sum(t.endswith("above the plot") for t in legend) == len(caps) - len(near)
+        assert top / div >= ax.get_ylim()[1] / 3 / 1.12
         labels = [t.get_text() for t in ax.texts]
-        assert any(t.strip().startswith("H100") for t in labels)
         for name, got in c.fits.items():
-            if got:
-                assert f"{s}<={got}" in labels
+            if got and got <= right and name in near:
+                assert f"{s} <= {got}" in labels
+        legend = ax.get_legend_handles_labels()[1]
+        shown = [v for v, _ in c.regimes[1:] if v <= right][:4]
+        assert [t for t in legend if t.startswith("from ")] == [
+            f"from {s}={v} the peak is in {w.split(':')[0]}" for v, w in c.regimes[1:]
+            if v in shown]
+        assert ax.get_xlabel() == {"B": "batch size B", "S": "sequence length S"}[s]
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_the_size_axis_spans_the_useful_range():
+    """A card the batch outgrows early: the B axis runs to twice the largest fitting size (or
+    the point), not over every size the curve was computed at."""
+    from memsim.plots import scaling_figure
+    r = _report("cuda")
+    whole = curve(r, {"B": 4, "S": 64}, "B")
+    at8 = dict(zip(whole.sizes, whole.totals))[8]
+    small = GPU("small", "small", int(at8 / 0.9) // 2 ** 20, "ampere", "test")
+    c = curve(r, {"B": 4, "S": 64}, "B", capacities={"small": small})
+    fit = c.fits["small"]
+    assert 4 <= fit < 8 and max(c.sizes) > 2 * 8
+    fig = scaling_figure({"B": [c]}, {"small": small}, 0.1)
+    ax = fig.axes[0]
+    right = max(2 * fit, 8)
+    assert ax.get_xlim()[1] == right * 1.04
+    line = [ln for ln in ax.get_lines() if ln.get_label() == "total per device"][0]
+    assert max(line.get_xdata()) <= right < max(c.sizes)
     import matplotlib.pyplot as plt
     plt.close(fig)
 
