@@ -636,7 +636,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_pipeline.py::test_pipeline_with_tensor_parallelism_equals_real_gloo_runs",),
              "the tensor-parallel ranks of each pipeline rank left out of the ranks listed"),
     Mutation("html-blocks-not-grouped", "memsim/plots.py",
-             '        key = (re.sub(r"\\.\\d+(?=\\.|$)", ".*", g.module), g.category)',
+             '        key = (re.sub(r"(^|\\.)\\d+(?=\\.|$)", r"\\1*", g.module), g.category)',
              "        key = (g.module, g.category)",
              ("tests/test_report_html.py",),
              "the live-at-the-peak table lists every block of a stack on its own"),

@@ -205,7 +205,7 @@ def at_peak_rows(tl, shown: int = 12) -> tuple[list, int, int]:
     import re
     groups: dict = {}
     for g in tl.at_peak:
-        key = (re.sub(r"\.\d+(?=\.|$)", ".*", g.module), g.category)
+        key = (re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", g.module), g.category)
         row = groups.setdefault(key, [set(), 0, 0])
         row[0].add(g.module)
         row[1] += g.count

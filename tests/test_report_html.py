@@ -104,6 +104,10 @@ def test_live_at_the_peak_groups_repeated_blocks():
     assert "h.*.mlp &times; 12" in table and "3 more" in table
     assert "(no module: the loop, the optimizer)" in table and "(the model itself)" in table
     assert "total live at the peak" in table
+    # an nn.Sequential's children are numbered at the top
+    rows, _, _ = at_peak_rows(SimpleNamespace(at_peak=[
+        LiveGroup(f"{i}.act", "activation", 7, 1) for i in range(3)]))
+    assert rows == [("*.act", 3, "activation", 3, 21)]
     # block2 before block10 where the bytes are equal
     rows, _, _ = at_peak_rows(SimpleNamespace(at_peak=[
         LiveGroup("block10", "activation", 5, 1), LiveGroup("block2", "temporary", 5, 1)]))
