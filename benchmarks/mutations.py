@@ -675,6 +675,11 @@ MUTATIONS: list[Mutation] = [
              "        return st.category.value",
              ("tests/test_timeline.py",),
              "the output and loss the loop holds drawn as activations"),
+    Mutation("progress-traces-uncounted", "tracer/trace.py",
+             "    progress.started()\n",
+             "\n",
+             ("tests/test_cli.py",),
+             "progress never says which of the command's traces it is in"),
 
 ]
 

@@ -99,6 +99,8 @@ class _Progress:
         self.tty = sys.stderr.isatty()
         self.shown = False
         self.what = None   # what is traced, where a command traces several things
+        from memsim.tracer import progress
+        self.before = progress.traces()   # runs traced before this command
 
     def __call__(self, phase, module=None, index=None, count=None, traced=None):
         now = self.clock()
@@ -108,11 +110,13 @@ class _Progress:
         self.last = now
         from memsim.tracer import progress
         rank = progress.context()
+        k = progress.traces() - self.before
         msg = (f"{self.what}: " if self.what else "") + (f"{rank}: " if rank else "") + \
             f"tracing {phase}" + (
-            f": {module} / {count}" if module is not None else "") + (
-            f" (a run of {traced} blocks, the others derived from it)"
-            if module is not None and traced else "")
+            f": block {index + 1} of {count} ({module})" if module is not None else "") + (
+            f", a run of {traced} blocks, the others derived from it"
+            if module is not None and traced else "") + \
+            f" [trace {max(k, 1)}, {now - self.start:.0f} s]"
         if self.tty:
             sys.stderr.write("\r\033[K" + msg)
             sys.stderr.flush()

@@ -1,6 +1,7 @@
 """The command line: the table, and the JSON document's stable shape."""
 
 import json
+import re
 
 import sympy
 
@@ -87,9 +88,18 @@ def test_progress_on_stderr(tmp_path, capsys, monkeypatch):
     argv = ["analyze", f"{f}:Stack", "--input", "x=float32[B,8]", "--device", "cpu", "--train"]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    for line in ("memsim: tracing forward: layers.0 / 3", "memsim: tracing forward: layers.2 / 3",
+    lines = [re.sub(r" \[trace \d+, \d+ s\]$", "", ln) for ln in err.splitlines()]
+    for line in ("memsim: tracing forward: block 1 of 3 (layers.0)",
+                 "memsim: tracing forward: block 3 of 3 (layers.2)",
                  "memsim: tracing backward", "memsim: tracing optimizer"):
-        assert line in err.splitlines()
+        assert line in lines
+    # each line says which trace of the command it is and how long the command has run: the
+    # training step, then (without --train) inference
+    assert re.search(r"^memsim: tracing forward: block 1 of 3 \(layers.0\) \[trace 1, \d+ s\]$",
+                     err, re.M)
+    assert main(argv[:-1]) == 0
+    assert re.search(r"^memsim: tracing forward: block 1 of 3 \(layers.0\) \[trace 2, \d+ s\]$",
+                     capsys.readouterr().err, re.M)
     assert main(argv + ["--quiet"]) == 0
     assert "tracing" not in capsys.readouterr().err
     assert main(argv + ["--json"]) == 0
@@ -98,9 +108,10 @@ def test_progress_on_stderr(tmp_path, capsys, monkeypatch):
     # a folded stack of 16: each cut run says of how many blocks, and that the rest are derived
     f.write_text(STACK.replace("range(3)", "range(16)"))
     assert main(argv) == 0
-    err = [line for line in capsys.readouterr().err.splitlines() if "layers." in line]
-    assert "memsim: tracing forward: layers.3 / 16 (a run of 4 blocks, the others derived " \
-        "from it)" in err, err
+    err = [re.sub(r" \[trace \d+, \d+ s\]$", "", line)
+           for line in capsys.readouterr().err.splitlines() if "layers." in line]
+    assert "memsim: tracing forward: block 4 of 16 (layers.3), a run of 4 blocks, the others " \
+        "derived from it" in err, err
 
 
 NOISY = '''
@@ -156,7 +167,8 @@ def test_compare_progress_names_the_configuration(tmp_path, capsys, monkeypatch)
     assert main(["compare", f"{f}:Stack", "--input", "x=float32[B,8]", "--device", "cpu",
                  "--at", "B=4", "--memory", "1GiB", "--config", "",
                  "--config", "--drop-outputs"]) == 0
-    err = capsys.readouterr().err.splitlines()
+    err = [re.sub(r" \[trace \d+, \d+ s\]$", "", ln)
+           for ln in capsys.readouterr().err.splitlines()]
     assert "memsim: configuration 1 of 2 (the common options): tracing backward" in err, err
     assert "memsim: configuration 2 of 2 (--drop-outputs): tracing backward" in err, err
 

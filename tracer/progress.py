@@ -12,6 +12,18 @@ from typing import Callable
 
 _listener: Callable | None = None
 _about: list[str] = []   # what is being traced, outermost first (a rank of a strategy)
+_traces = 0              # symbolic runs started in this process
+
+
+def started() -> None:
+    """A symbolic run of the step starts (:func:`traces` counts them)."""
+    global _traces
+    _traces += 1
+
+
+def traces() -> int:
+    """Symbolic runs started in this process so far (a forked child's are its own)."""
+    return _traces
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 
 from .config import StepConfig
 from .driver import Driver
-from . import branching, fold, fold_stack
+from . import branching, fold, fold_stack, progress
 from .fork import abandon, forked, joined
 from .divisions import exact
 from .example_sizes import example_sizes, larger_sizes
@@ -279,6 +279,7 @@ def _fork_traced(model, stack, units, specs, constants, config, hint_map, **kw):
 
 def _traced(model, specs, constants, config, hint_map, *, train, transform, driver,
             patches) -> Trace:
+    progress.started()
     run, shape_env, table = run_step(model, specs, constants, config, hints=hint_map,
                                      train=train, transform=transform, driver=driver,
                                      patches=patches)
