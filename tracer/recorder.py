@@ -76,14 +76,15 @@ def swapped(changes):
 
 
 def outside_fake(fn):
-    """``fn`` run outside any fake mode: device meshes are a few host integers that PyTorch
-    computes with real tensors (under a fake mode their rank coordinates become
-    data-dependent)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    """``fn`` run outside any fake mode and unrecorded: device meshes are a few host integers
+    that PyTorch computes with real tensors (under a fake mode their rank coordinates become
+    data-dependent), bookkeeping on the host whatever the device (a mesh a pipeline rank builds
+    while its step is recorded is not the step's memory)."""
+    from torch.utils._python_dispatch import _disable_current_modes
 
     @functools.wraps(fn)
     def real(*args, **kwargs):
-        with unset_fake_temporarily():
+        with _disable_current_modes():
             return fn(*args, **kwargs)
     return real
 
