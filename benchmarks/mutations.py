@@ -686,6 +686,11 @@ MUTATIONS: list[Mutation] = [
              "            return fn(*args, **kwargs)",
              ("tests/test_pipeline.py::test_pipeline_with_fsdp2_equals_real_gloo_runs",),
              "a device mesh a pipeline rank builds while recording counted as the step's memory"),
+    Mutation("budget-cache-claimed-after-oom", "memsim/render.py",
+             "        if k == \"allocator_cache\" and b.replay is not None and b.replay.oom is not None:",
+             "        if False:",
+             ("tests/test_report_html.py",),
+             "the budget's text says the allocator caches 0 B where its replay ran out"),
 
 ]
 

@@ -216,7 +216,11 @@ def budget_text(b, device: str) -> str:
         v = b.overhead.get(k)
         if v is None or (k == "fragmentation" and not v):
             continue
-        if v or device == "cuda":
+        if k == "allocator_cache" and b.replay is not None and b.replay.oom is not None:
+            # the replay stopped where the step runs out: no cache to speak of
+            rows.append(["cached by the allocator: not known, the replay ran out of memory "
+                         "(a note says where); counted as", human(v)])
+        elif v or device == "cuda":
             rows.append([est.get(k, k), human(v)])
         if k == "allocator_cache" and b.reserved is not None:
             rows.append(["= reserved (max_memory_reserved)", human(b.reserved)])
