@@ -176,6 +176,18 @@ class Budget:
         """The bytes the step may take: ``capacity * (1 - margin)``."""
         return int(self.capacity * (1 - self.margin))
 
+    @property
+    def limit(self) -> int:
+        """What the caching allocator may reserve: :attr:`usable` less what lives outside it
+        (:func:`allocator_limit`), the limit its replay is confined to."""
+        return allocator_limit(self.usable, self.overhead)
+
+
+def allocator_limit(usable: int, overhead) -> int:
+    """What the caching allocator may reserve of ``usable`` bytes: less what lives outside it,
+    the CUDA context and communication libraries' own buffers (``overhead``'s terms)."""
+    return usable - overhead["cuda_context"] - overhead["comm_buffers"]
+
 
 class TotalModel:
     """``total(point)`` for one report and step, exact and fast (integer arithmetic)."""
@@ -193,8 +205,7 @@ class TotalModel:
         # (which grows while memory is free, so that it would otherwise decide the verdict:
         # Llama-3-8B QLoRA on an H100 at S=2048 reserved 75.6 GiB at B=13 without a release,
         # and 66.9 GiB at B=14 after one)
-        self.limit = (None if budget is None else
-                      budget - self.fixed["cuda_context"] - self.fixed["comm_buffers"])
+        self.limit = None if budget is None else allocator_limit(budget, self.fixed)
         self._replays: dict[tuple, Reserved | None] = {}
 
     def step_of(self, report):

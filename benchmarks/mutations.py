@@ -691,6 +691,11 @@ MUTATIONS: list[Mutation] = [
              "        if False:",
              ("tests/test_report_html.py",),
              "the budget's text says the allocator caches 0 B where its replay ran out"),
+    Mutation("allocator-limit-whole-usable", "analysis/budget.py",
+             '    return usable - overhead["cuda_context"] - overhead["comm_buffers"]',
+             "    return usable",
+             ("tests/test_report_html.py",),
+             "the allocator confined to the usable share with the CUDA context inside it"),
 
 ]
 

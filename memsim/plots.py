@@ -55,9 +55,8 @@ def card_lines(budget) -> list[tuple[str, int, str]]:
     if budget is None or not budget.capacity:
         return []
     name = budget.gpu.name if budget.gpu is not None else "the memory given"
-    outside = sum(v for k, v in budget.overhead.items()
-                  if k not in ("allocator_cache", "cublas_workspace"))
-    usable = int(budget.capacity * (1 - budget.margin)) - outside
+    usable = budget.limit
+    outside = budget.usable - usable
     return [(f"{name}: {_human(budget.capacity)}", budget.capacity, "-"),
             (f"usable by the allocator: {_human(usable)} ({1 - budget.margin:.0%}"
              + (f", less {_human(outside)} outside it" if outside else "") + ")", usable, "-.")]
@@ -106,16 +105,15 @@ def timeline_figure(tl, budget=None, columns: int = 600):
     div, unit = _unit(high)
     fig, ax = plt.subplots(figsize=(13, 5.5), layout="constrained")
     idx = _thin(tl, columns)
-    x = idx
     names = list(tl.series)
-    ax.stackplot(x, *[[tl.series[c][j] / div for j in idx] for c in names],
+    ax.stackplot(idx, *[[tl.series[c][j] / div for j in idx] for c in names],
                  labels=[LABELS.get(c, c) for c in names],
                  colors=[COLORS.get(c, "#bcbd22") for c in names], step="post", alpha=0.9)
     # the total as a line too: a one-event spike is thinner than a pixel in a long step
-    ax.step(x, [tl.totals[j] / div for j in idx], where="post", color="0.15", linewidth=0.6,
+    ax.step(idx, [tl.totals[j] / div for j in idx], where="post", color="0.15", linewidth=0.6,
             label="live in all")
     if tl.reserved is not None:
-        ax.step(x, [tl.reserved[j] / div for j in idx], where="post", color="black",
+        ax.step(idx, [tl.reserved[j] / div for j in idx], where="post", color="black",
                 linestyle="--", linewidth=1.2, label="reserved by the caching allocator" + (
                     f" (up to {_human(most)}: above the plot)" if clipped else ""))
     for label, b, style in cards:
@@ -188,7 +186,6 @@ def _human(n: int) -> str:
 
 def _natural(text: str) -> list:
     """A key sorting ``h.2`` before ``h.10``."""
-    import re
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
 
 
@@ -202,7 +199,6 @@ def at_peak_rows(tl, shown: int = 12) -> tuple[list, int, int]:
     ``h.0`` ... ``h.11``): ``([(module, blocks, category, tensors, bytes)], more, total)``,
     largest first then in the model's order, at most ``shown`` rows; ``more``: rows left out,
     ``total``: the bytes of every row."""
-    import re
     groups: dict = {}
     for g in tl.at_peak:
         key = (re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", g.module), g.category)

@@ -460,7 +460,6 @@ class _Decoder:
             return lm.loss_function(logits=out, labels=target, vocab_size=lm.config.vocab_size)
         return loss_of
 
-
     def pieces(self, stage: "_DecoderStage") -> list[str]:
         """The paths of a stage's layers, FSDP2's units in it."""
         n = len(getattr(stage.lm, self.prefix).layers)
