@@ -11,7 +11,7 @@ import torch
 
 from memsim.tracer import (InputError, MemsimError, SpecializationError, StepConfig,
                            TraceError, is_tensor_spec, make_spec, trace)
-from memsim.tracer import hf
+from memsim.tracer import hf, progress
 from memsim.tracer.rnn_cuda import reserve_notes
 
 from .explore import Retracer, cross_guards, fix_inputs
@@ -120,6 +120,7 @@ def _analyze(model, inputs, config, *, train, inference, transform, driver, fixe
     run_config = config.replace(limits={**auto_limits, **config.limits})
     kw = dict(transform=transform, patches=patches, sizes=list(points or ()))
     tr_step = inf_step = None
+    progress.expect(int(bool(train)) + int(bool(inference)))
     modules: list[ModuleSaved] = []
     other: dict[str, int] = {}
     if train:

@@ -495,6 +495,30 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_cli.py::test_compare_progress_names_the_configuration",),
              "compare's progress not saying which configuration it traces"),
 
+    Mutation("traces-needed-unannounced", "analysis/build.py",
+             "    progress.expect(int(bool(train)) + int(bool(inference)))\n",
+             "",
+             ("tests/test_cli.py::test_progress_on_stderr",),
+             "the progress saying 'trace 1 of 1' where the step and inference are both traced"),
+
+    Mutation("rank-traces-unannounced", "strategies/compose.py",
+             "        progress.expect(per_rank * len(ranks.sampled))\n",
+             "",
+             ("tests/test_pipeline.py::test_progress_names_the_rank_traced",),
+             "the progress counting one rank's traces where every pipeline rank is traced"),
+
+    Mutation("compare-traces-unannounced", "memsim/cli.py",
+             "    progress.expect(len(prepared))\n",
+             "",
+             ("tests/test_cli.py::test_compare_progress_names_the_configuration",),
+             "compare's progress counting one configuration's traces of several"),
+
+    Mutation("time-left-from-unfinished-runs", "tracer/progress.py",
+             "    took = [s for n, s in _took if n > since]",
+             "    took = [s for n, s in _took]",
+             ("tests/test_progress.py",),
+             "the estimate of the time left fed by runs of earlier commands"),
+
     Mutation("other-warnings-not-held", "memsim/cli.py",
              "    logging.Logger.handle = hold\n",
              "",

@@ -110,13 +110,16 @@ class _Progress:
         self.last = now
         from memsim.tracer import progress
         rank = progress.context()
-        k = progress.traces() - self.before
+        k = max(progress.traces() - self.before, 1)
+        n = max(progress.expected() - self.before, k)
+        left = progress.estimate(self.before)
         msg = (f"{self.what}: " if self.what else "") + (f"{rank}: " if rank else "") + \
             f"tracing {phase}" + (
             f": block {index + 1} of {count} ({module})" if module is not None else "") + (
             f", a run of {traced} blocks, the others derived from it"
             if module is not None and traced else "") + \
-            f" [trace {max(k, 1)}, {now - self.start:.0f} s]"
+            f" [trace {k} of {n}, {now - self.start:.0f} s" + (
+                f", about {left:.0f} s left" if left is not None else "") + "]"
         if self.tty:
             sys.stderr.write("\r\033[K" + msg)
             sys.stderr.flush()
@@ -333,6 +336,8 @@ def _compare(args) -> int:
         cargs = config_args(args, text)
         prepared.append((text, cargs, _prepare(cargs)))
     rows = []
+    from memsim.tracer import progress
+    progress.expect(len(prepared))
     for i, (text, cargs, prep) in enumerate(prepared, 1):
         if _SHOWN is not None:
             _SHOWN.what = (f"configuration {i} of {len(prepared)} "

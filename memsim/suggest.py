@@ -66,11 +66,14 @@ def fit_options(analyze, model, inputs, config, strategy: dict, point: dict, bud
         if low:
             tries.append(("precision+checkpoint", "--precision bf16-mixed --checkpoint blocks",
                           {"precision": Precision.BF16_MIXED}, {"checkpoint": "blocks"}))
+    from memsim.tracer import progress as runs
+    sharded = not given & {"fsdp", "zero", "ddp", "pp", "tp"}
+    runs.expect(len(tries) + sharded)   # at least one run each (a sharded one traces ranks)
     out = []
     for kind, flags, step, extra in tries:
         out.append(_tried(analyze, model, inputs, config, strategy, kind, flags, step, extra,
                           budget_of, progress))
-    if not given & {"fsdp", "zero", "ddp", "pp", "tp"}:
+    if sharded:
         out += _sharded(analyze, model, inputs, config, strategy, budget_of, states, usable,
                         FSDP, progress)
     ok = [o for o in out if o.fits]

@@ -88,18 +88,23 @@ def test_progress_on_stderr(tmp_path, capsys, monkeypatch):
     argv = ["analyze", f"{f}:Stack", "--input", "x=float32[B,8]", "--device", "cpu", "--train"]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    lines = [re.sub(r" \[trace \d+, \d+ s\]$", "", ln) for ln in err.splitlines()]
+    lines = [re.sub(r" \[trace \d+ of \d+, \d+ s(, about \d+ s left)?\]$", "", ln)
+             for ln in err.splitlines()]
     for line in ("memsim: tracing forward: block 1 of 3 (layers.0)",
                  "memsim: tracing forward: block 3 of 3 (layers.2)",
                  "memsim: tracing backward", "memsim: tracing optimizer"):
         assert line in lines
-    # each line says which trace of the command it is and how long the command has run: the
-    # training step, then (without --train) inference
-    assert re.search(r"^memsim: tracing forward: block 1 of 3 \(layers.0\) \[trace 1, \d+ s\]$",
-                     err, re.M)
+    # each line says which trace of how many the command needs and how long the command has
+    # run: the training step alone, then (without --train) the training step and inference,
+    # the second with the time left estimated from the first
+    assert re.search(r"^memsim: tracing forward: block 1 of 3 \(layers.0\) "
+                     r"\[trace 1 of 1, \d+ s\]$", err, re.M)
     assert main(argv[:-1]) == 0
-    assert re.search(r"^memsim: tracing forward: block 1 of 3 \(layers.0\) \[trace 2, \d+ s\]$",
-                     capsys.readouterr().err, re.M)
+    err = capsys.readouterr().err
+    assert re.search(r"^memsim: tracing forward: block 1 of 3 \(layers.0\) "
+                     r"\[trace 1 of 2, \d+ s\]$", err, re.M), err
+    assert re.search(r"^memsim: tracing forward: block 1 of 3 \(layers.0\) "
+                     r"\[trace 2 of 2, \d+ s, about \d+ s left\]$", err, re.M), err
     assert main(argv + ["--quiet"]) == 0
     assert "tracing" not in capsys.readouterr().err
     assert main(argv + ["--json"]) == 0
@@ -108,7 +113,7 @@ def test_progress_on_stderr(tmp_path, capsys, monkeypatch):
     # a folded stack of 16: each cut run says of how many blocks, and that the rest are derived
     f.write_text(STACK.replace("range(3)", "range(16)"))
     assert main(argv) == 0
-    err = [re.sub(r" \[trace \d+, \d+ s\]$", "", line)
+    err = [re.sub(r" \[trace \d+ of \d+, \d+ s(, about \d+ s left)?\]$", "", line)
            for line in capsys.readouterr().err.splitlines() if "layers." in line]
     assert "memsim: tracing forward: block 4 of 16 (layers.3), a run of 4 blocks, the others " \
         "derived from it" in err, err
@@ -167,10 +172,13 @@ def test_compare_progress_names_the_configuration(tmp_path, capsys, monkeypatch)
     assert main(["compare", f"{f}:Stack", "--input", "x=float32[B,8]", "--device", "cpu",
                  "--at", "B=4", "--memory", "1GiB", "--config", "",
                  "--config", "--drop-outputs"]) == 0
-    err = [re.sub(r" \[trace \d+, \d+ s\]$", "", ln)
-           for ln in capsys.readouterr().err.splitlines()]
+    raw = capsys.readouterr().err.splitlines()
+    err = [re.sub(r" \[trace \d+ of \d+, \d+ s(, about \d+ s left)?\]$", "", ln) for ln in raw]
     assert "memsim: configuration 1 of 2 (the common options): tracing backward" in err, err
     assert "memsim: configuration 2 of 2 (--drop-outputs): tracing backward" in err, err
+    # both configurations' traces are counted from the first
+    assert any(ln.startswith("memsim: configuration 1 of 2") and "[trace 1 of 2," in ln
+               for ln in raw), raw
 
 
 def test_the_answer_comes_first(capsys, monkeypatch, tmp_path):

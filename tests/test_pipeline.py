@@ -272,9 +272,13 @@ def test_progress_names_the_rank_traced(capsys, monkeypatch):
     assert main(["analyze", "tests.support.zoo:pipeline_two_ways", "--input",
                  "input=float32[B,4]", "--device", "cpu", "--pp", "2", "--pp-schedule", "GPipe",
                  "--microbatches", "2", "--pp-split", "3", "--train"]) == 0
-    err = [line.split(" [trace ")[0] for line in capsys.readouterr().err.splitlines()]
+    raw = capsys.readouterr().err.splitlines()
+    err = [line.split(" [trace ")[0] for line in raw]
     assert "memsim: rank 0 of 2: tracing zero_grad" in err, err
     assert "memsim: rank 1 of 2: tracing optimizer" in err, err
+    # the ranks' traces are counted from the first: two ranks, the training step each
+    assert any(ln.startswith("memsim: rank 0 of 2: tracing zero_grad [trace 1 of 2,")
+               for ln in raw), raw
 
 
 def test_what_a_micro_batch_keeps_for_its_backward_is_an_activation():

@@ -280,9 +280,12 @@ def _fork_traced(model, stack, units, specs, constants, config, hint_map, **kw):
 def _traced(model, specs, constants, config, hint_map, *, train, transform, driver,
             patches) -> Trace:
     progress.started()
-    run, shape_env, table = run_step(model, specs, constants, config, hints=hint_map,
-                                     train=train, transform=transform, driver=driver,
-                                     patches=patches)
+    try:
+        run, shape_env, table = run_step(model, specs, constants, config, hints=hint_map,
+                                         train=train, transform=transform, driver=driver,
+                                         patches=patches)
+    finally:
+        progress.finished()
     user = {n: symbol(n) for n in table.raw}
     # a stepped symbol's run symbol counts its steps
     to_user = {raw: user[n] / table.steps.get(n, 1) for n, raw in table.raw.items()}
