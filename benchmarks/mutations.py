@@ -519,6 +519,24 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_progress.py",),
              "the estimate of the time left fed by runs of earlier commands"),
 
+    Mutation("offload-offered-on-a-cpu", "memsim/suggest.py",
+             "    if config.device != \"cuda\":\n        return None\n    zero = strategy",
+             "    zero = strategy",
+             ("tests/test_suggest.py::test_what_would_make_it_fit_equals_real_runs_with_each_option",),
+             "offload listed where host and device are one memory (its figure the same sum)"),
+
+    Mutation("offload-leaves-stage-3-parameters", "memsim/suggest.py",
+             "        params = zero.stage == 3",
+             "        params = False",
+             ("tests/test_suggest.py::test_offload_is_an_option_traced_on_a_gpu",),
+             "ZeRO-3's offload option keeping the parameter partitions on the device"),
+
+    Mutation("offload-under-autocast-bf16", "memsim/suggest.py",
+             "    if config.precision is Precision.BF16_MIXED:",
+             "    if False:",
+             ("tests/test_suggest.py::test_offload_is_an_option_traced_on_a_gpu",),
+             "the offload option under bf16-mixed, which DeepSpeed does not run"),
+
     Mutation("other-warnings-not-held", "memsim/cli.py",
              "    logging.Logger.handle = hold\n",
              "",

@@ -8,14 +8,23 @@ with one change at a time, among those the configuration does not use yet:
 - both together;
 - ``--fsdp --dp N``: FSDP2 at the least power of two ``N`` at which the model states, sharded,
   leave room for the rest of the step (estimated from the traced states, then traced at ``N``,
-  and at ``2N`` where ``N`` does not fit).
+  and at ``2N`` where ``N`` does not fit);
+- offload, on a CUDA device: ZeRO-Offload through DeepSpeed's engine (memsim.strategies.zero),
+  the optimizer states, fp32 master partitions and gradient partitions in host memory:
+  ``--zero 2 --dp 1 --offload optimizer`` on one device where no data parallelism is given
+  (with ``--precision bf16-master``, DeepSpeed's bf16, in place of ``bf16-mixed``, which
+  DeepSpeed does not run), ``--offload optimizer`` (stage 3: ``optimizer+params``) added to a
+  ZeRO given without it. Not tried beside FSDP2, DDP, tensor or pipeline parallelism: FSDP2's
+  ``CPUOffloadPolicy`` is not modelled, and ZeRO-Offload with tensor parallelism is not either.
 
 Each option's total is the budget of that analysis (the same allocator replay and overheads as
 the verdict's), on the rank with the largest peak. The options are listed best first: those
 that fit before those that do not; among those that fit, the order of what each costs in a
 real run (a lower precision costs no extra work, checkpointing recomputes the forward of each
-block, sharding adds communication), then the larger headroom; those that do not fit by their
-total. Offloading is not computed (none of the options moves memory to the host).
+block, sharding adds communication, offload moves every step's gradients and updated
+parameters between host and device and steps the optimizer on the CPU), then the larger
+headroom; those that do not fit by their total. On ``--device cpu`` host and device are one
+memory, so offload is not listed there.
 """
 
 from __future__ import annotations
@@ -25,14 +34,15 @@ from dataclasses import dataclass
 __all__ = ["Option", "fit_options"]
 
 # the cost order among options that fit: a precision, then recomputation, then communication
-_COST = {"precision": 0, "checkpoint": 1, "precision+checkpoint": 2, "fsdp": 3}
+_COST = {"precision": 0, "checkpoint": 1, "precision+checkpoint": 2, "fsdp": 3, "offload": 4}
 
 
 @dataclass(frozen=True)
 class Option:
     """One change and what the step needs with it at the point."""
 
-    kind: str               # "precision", "checkpoint", "precision+checkpoint", "fsdp"
+    kind: str               # "precision", "checkpoint", "precision+checkpoint", "fsdp",
+    #                         "offload"
     flags: str              # the command-line options that make it
     total: int | None       # the budget's total with it (bytes); None where it failed
     fits: bool
@@ -68,7 +78,8 @@ def fit_options(analyze, model, inputs, config, strategy: dict, point: dict, bud
                           {"precision": Precision.BF16_MIXED}, {"checkpoint": "blocks"}))
     from memsim.tracer import progress as runs
     sharded = not given & {"fsdp", "zero", "ddp", "pp", "tp"}
-    runs.expect(len(tries) + sharded)   # at least one run each (a sharded one traces ranks)
+    offload = _offload(config, strategy)
+    runs.expect(len(tries) + sharded + bool(offload))   # at least one run each
     out = []
     for kind, flags, step, extra in tries:
         out.append(_tried(analyze, model, inputs, config, strategy, kind, flags, step, extra,
@@ -76,11 +87,40 @@ def fit_options(analyze, model, inputs, config, strategy: dict, point: dict, bud
     if sharded:
         out += _sharded(analyze, model, inputs, config, strategy, budget_of, states, usable,
                         FSDP, progress)
+    if offload:
+        out.append(_tried(analyze, model, inputs, config, strategy, "offload", *offload,
+                          budget_of, progress))
     ok = [o for o in out if o.fits]
     ok.sort(key=lambda o: (_COST[o.kind], -(o.headroom or 0)))
     rest = [o for o in out if not o.fits]
     rest.sort(key=lambda o: (o.total is None, o.total or 0))
     return ok + rest
+
+
+def _offload(config, strategy: dict) -> tuple[str, dict, dict] | None:
+    """ZeRO-Offload's ``(flags, step changes, strategies)`` for this configuration (module
+    docstring), or None where it is not tried."""
+    from dataclasses import replace
+
+    from memsim.strategies import ZeRO
+    from memsim.tracer import Precision
+
+    if config.device != "cuda":
+        return None
+    zero = strategy.get("zero")
+    if zero is not None:
+        if zero.offloaded:
+            return None
+        params = zero.stage == 3
+        return ("--offload optimizer+params" if params else "--offload optimizer", {},
+                {"zero": replace(zero, offload_optimizer="cpu",
+                                 offload_param="cpu" if params else None)})
+    if set(strategy) & {"fsdp", "ddp", "tp", "pp"}:
+        return None
+    flags, step = "--zero 2 --dp 1 --offload optimizer", {}
+    if config.precision is Precision.BF16_MIXED:
+        flags, step = flags + " --precision bf16-master", {"precision": Precision.BF16_MASTER}
+    return flags, step, {"zero": ZeRO(stage=2, dp=1, offload_optimizer="cpu")}
 
 
 def _tried(analyze, model, inputs, config, strategy, kind, flags, step, extra, budget_of,

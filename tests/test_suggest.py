@@ -2,11 +2,16 @@
 an analysis of its own at the point, and the figure it lists is what a real run with that option
 takes (CPU: the total is the measured peak)."""
 
+import importlib.util
 import json
 
+import pytest
 import torch
 
 from memsim.cli import main
+from memsim.strategies import FSDP, ZeRO
+from memsim.suggest import _offload
+from memsim.tracer import Precision, StepConfig
 from memsim.strategies.checkpoint import apply_checkpointing, named_plan
 from tests.support import hf_models as hf
 from tests.support.oracles.measure import example_inputs, materialize, measure_train
@@ -38,6 +43,7 @@ def test_what_would_make_it_fit_equals_real_runs_with_each_option(capsys):
     assert options["--checkpoint blocks"]["total"] == ckpt
     assert options["--checkpoint blocks"]["fits"] is True
     assert options["--precision bf16-mixed"]["total"] == _real(False, "bf16-mixed")
+    assert not any(o["kind"] == "offload" for o in options.values())   # one memory on a CPU
     # those that fit come first, cheapest first; then the others by their total
     fits = [o["fits"] for o in verdict["options"]]
     assert fits == sorted(fits, reverse=True)
@@ -54,3 +60,30 @@ def test_options_are_listed_under_the_verdict_and_can_be_skipped(capsys):
     assert any("--checkpoint blocks" in line and "fits" in line for line in out[2:6])
     assert main(text_args + ["--no-options"]) == 0
     assert "what would make it fit" not in capsys.readouterr().out
+
+
+def test_offload_is_an_option_traced_on_a_gpu(capsys):
+    """On a CUDA device ZeRO-Offload is one of the options (DeepSpeed's engine, traced): on
+    one device ``--zero 2 --dp 1 --offload optimizer``, beside a ZeRO given without offload
+    ``--offload`` (stage 3: parameters too); its figure is that analysis's total. On the CPU
+    host and device are one memory, and it is not listed (the first test's options)."""
+    if importlib.util.find_spec("deepspeed") is None:   # (importing it here would print)
+        pytest.skip("deepspeed is not installed")
+    args = [a for a in ARGS if a not in ("--device", "cpu")] + ["--memory", "3MiB"]
+    assert main(args) == 0
+    options = {o["change"]: o for o in json.loads(capsys.readouterr().out)["verdict"]["options"]}
+    got = options["--zero 2 --dp 1 --offload optimizer"]
+    assert main(args + ["--zero", "2", "--dp", "1", "--offload", "optimizer"]) == 0
+    assert got["total"] == json.loads(capsys.readouterr().out)["verdict"]["total"]
+    assert got["kind"] == "offload"
+    # beside a ZeRO given without offload: its own offload, parameters too at stage 3; none
+    # where it offloads already, or beside FSDP2 (whose CPUOffloadPolicy is not modelled)
+    cuda, bf16 = StepConfig(device="cuda"), StepConfig(device="cuda", precision="bf16-mixed")
+    flags, step, extra = _offload(cuda, {"zero": ZeRO(stage=3, dp=2)})
+    assert flags == "--offload optimizer+params" and not step
+    assert (extra["zero"].offload_optimizer, extra["zero"].offload_param) == ("cpu", "cpu")
+    assert _offload(cuda, {"zero": ZeRO(stage=2, dp=2)})[0] == "--offload optimizer"
+    assert _offload(cuda, extra) is None and _offload(cuda, {"fsdp": FSDP(dp=2)}) is None
+    # DeepSpeed runs bf16 as its bf16 (fp32 master partitions), not autocast's bf16-mixed
+    assert _offload(bf16, {})[:2] == ("--zero 2 --dp 1 --offload optimizer --precision "
+                                      "bf16-master", {"precision": Precision.BF16_MASTER})
