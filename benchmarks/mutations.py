@@ -537,6 +537,13 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_suggest.py::test_offload_is_an_option_traced_on_a_gpu",),
              "the offload option under bf16-mixed, which DeepSpeed does not run"),
 
+    Mutation("model-file-error-unwrapped", "memsim/target.py",
+             "            except Exception as e:\n                raise _failed(where, e) from e\n"
+             "            finally:",
+             "            finally:",
+             ("tests/test_errors.py::test_a_model_file_that_raises_names_its_line",),
+             "a model file raising as it loads shown as memsim's own traceback"),
+
     Mutation("other-warnings-not-held", "memsim/cli.py",
              "    logging.Logger.handle = hold\n",
              "",

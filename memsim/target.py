@@ -40,6 +40,20 @@ def load_target(target: str, hf_class: str | None = None) -> torch.nn.Module:
     return model
 
 
+def _failed(where: str, e: Exception) -> InputError:
+    """The model's file (or module) raising while it loads, as an error naming its line:
+    the exception is the user's code's, not memsim's."""
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)
+    path = os.path.abspath(where) if where.endswith(".py") else None
+    mine = [f for f in frames if path is None or os.path.abspath(f.filename) == path]
+    line = f", line {mine[-1].lineno}" if mine else ""
+    return InputError(f"{where}{line} raised while loading: {type(e).__name__}: {e}",
+                      hint="the model's file runs as Python when memsim loads it; run "
+                           f"python {where} to see the whole traceback" if path else
+                           f"python -c 'import {where}' shows the whole traceback")
+
+
 def _load_target(target: str) -> torch.nn.Module:
     if ":" not in target:
         raise UsageError(f"target {target!r} has no ':NAME'",
@@ -55,6 +69,8 @@ def _load_target(target: str) -> torch.nn.Module:
             sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
             try:
                 spec.loader.exec_module(mod)
+            except Exception as e:
+                raise _failed(where, e) from e
             finally:
                 sys.path.pop(0)
         else:
@@ -63,6 +79,8 @@ def _load_target(target: str) -> torch.nn.Module:
             except ImportError as e:
                 raise InputError(f"cannot import {where!r}: {e}",
                                  hint="is the package installed, or did you mean a .py path?")
+            except Exception as e:
+                raise _failed(where, e) from e
         if not hasattr(mod, name):
             found = [k for k, v in vars(mod).items() if not k.startswith("_") and (
                 isinstance(v, torch.nn.Module) or callable(v))]

@@ -137,6 +137,18 @@ def test_cli_usage_errors_exit_2(capsys):
     assert "unknown optimizer 'Adamm'" in capsys.readouterr().err
 
 
+def test_a_model_file_that_raises_names_its_line(tmp_path, capsys):
+    """The user's file raising as it loads is an error naming the file, its line and the
+    exception, with the command that shows the whole traceback: not memsim's traceback."""
+    f = tmp_path / "model.py"
+    f.write_text("import torch\n\n\ndef width():\n    raise ValueError('no width')\n\n\n"
+                 "model = torch.nn.Linear(width(), 4)\n")
+    assert main(["analyze", f"{f}:model", "--input", "x=float32[B,4]"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}, line 5 raised while loading: ValueError: no width" in err, err
+    assert f"python {f}" in err and "Traceback" not in err
+
+
 def test_an_unknown_option_value_is_one_line_and_a_hint(capsys):
     """argparse's own errors print the whole usage first (25 lines for ``analyze``): here the
     error and a hint only."""
