@@ -502,13 +502,13 @@ MUTATIONS: list[Mutation] = [
              "the progress saying 'trace 1 of 1' where the step and inference are both traced"),
 
     Mutation("rank-traces-unannounced", "strategies/compose.py",
-             "        progress.expect(per_rank * len(ranks.sampled))\n",
+             "        progress.expect(per_rank * left)\n",
              "",
              ("tests/test_pipeline.py::test_progress_names_the_rank_traced",),
              "the progress counting one rank's traces where every pipeline rank is traced"),
 
     Mutation("compare-traces-unannounced", "memsim/cli.py",
-             "    progress.expect(len(prepared))\n",
+             "        progress.expect(len(prepared) - i + 1)   # this one and those after it\n",
              "",
              ("tests/test_cli.py::test_compare_progress_names_the_configuration",),
              "compare's progress counting one configuration's traces of several"),
@@ -543,6 +543,37 @@ MUTATIONS: list[Mutation] = [
              "            finally:",
              ("tests/test_errors.py::test_a_model_file_that_raises_names_its_line",),
              "a model file raising as it loads shown as memsim's own traceback"),
+
+    Mutation("plan-accumulation-shares-a-program", "memsim/plan.py",
+             "        return (self.tp, self.dp, self.checkpoint, self.accumulate > 1)",
+             "        return (self.tp, self.dp, self.checkpoint, False)",
+             ("tests/test_plan.py::test_accumulation_is_one_program_and_memory_rises_with_the_micro_batch",),
+             "a layout with gradient accumulation answered from the trace without it (the "
+             "first micro-step's gradients missing from the second's forward)"),
+
+    Mutation("plan-recomputation-ranked-first", "memsim/plan.py",
+             "    \"default\": lambda r: (r.layout.checkpoint != \"none\", r.layout.tp,",
+             "    \"default\": lambda r: (r.layout.checkpoint == \"none\", r.layout.tp,",
+             ("tests/test_plan.py::test_ranking_rules",),
+             "the plan preferring checkpointed layouts over those that fit without"),
+
+    Mutation("plan-states-reason-lost", "memsim/plan.py",
+             "            if r.states is not None and r.states >= usable:",
+             "            if False:",
+             ("tests/test_plan.py::test_plan_text_names_the_best_layout_and_the_reasons",),
+             "a layout whose model states alone exceed the card blamed on its activations"),
+
+    Mutation("plan-batch-divisibility-unchecked", "memsim/plan.py",
+             "            if global_batch % dp:\n",
+             "            if False:\n",
+             ("tests/test_plan.py::test_layouts_reach_the_global_batch",),
+             "a data-parallel degree that cannot reach the global batch planned anyway"),
+
+    Mutation("plan-traced-after-loading", "memsim/cli.py",
+             "    check_rank_by(args.rank_by)\n",
+             "",
+             ("tests/test_plan.py::test_errors_come_before_any_trace",),
+             "an unknown --rank-by found only after the model is loaded and traced"),
 
     Mutation("other-warnings-not-held", "memsim/cli.py",
              "    logging.Logger.handle = hold\n",

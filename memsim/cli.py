@@ -142,6 +142,8 @@ def _run(args) -> int:
         return _checkpoint(args)
     if args.cmd == "compare":
         return _compare(args)
+    if args.cmd == "plan":
+        return _plan(args)
     fit = args.cmd == "fit"
     report, point, shown, spoint, budget, setup = _analysis(args, fit)
     if getattr(args, "timeline", None):
@@ -297,6 +299,106 @@ def _fit_options(args, model, inputs, config, strategy, point, setup, budget, re
             _SHOWN.what = None
 
 
+def _plan(args) -> int:
+    """``memsim plan``: every layout checked before any trace, then one analysis per program
+    (memsim.plan)."""
+    from memsim.analysis import fix_inputs, pinning_fixed
+    from memsim.analysis.budget import against
+    from memsim.strategies import FSDP, TensorParallel
+    from memsim.strategies import analyze as analyze_with
+
+    from .plan import check_rank_by, check_world, layouts, parse_fix, plan
+    from .render_plan import plan_json, plan_text
+    check_world(args.gpus, args.gpus_per_node)
+    check_rank_by(args.rank_by)
+    fixed = parse_fix(args.fix)
+    specs = [parse_input(s) for s in input_options(args)]
+    names = list(dict.fromkeys(n for sp in specs for n in sp.symbols))
+    batch, seq = args.batch_symbol, args.seq_symbol
+    if batch not in names:
+        raise UsageError(f"memsim plan sizes the micro-batch, and no --input has {batch}",
+                         hint=f"give the batch dimension as {batch}, e.g. "
+                              f"--input input_ids=int64[{batch},{seq}] (or --batch-symbol)")
+    point = parse_assignments(args.at, "--at") if args.at else {}
+    if batch in point:
+        raise UsageError(f"--at {batch}=...: memsim plan chooses the micro-batch",
+                         hint="pin it with --fix micro_batch=N")
+    if seq in names:
+        if args.seq is None and seq not in point:
+            raise UsageError(f"memsim plan needs the sequence length ({seq} in --input)",
+                             hint="e.g. --seq 4096")
+        if args.seq is not None:
+            point[seq] = args.seq
+    elif args.seq is not None:
+        raise UsageError(f"--seq given, and no --input has {seq}",
+                         hint="drop --seq, or name the sequence dimension with --seq-symbol")
+    check_point({**point, batch: 1}, specs)
+    step = StepConfig.from_options(args)
+    setup = budget_setup(args, {**point, batch: 1})
+    if setup is None:
+        raise UsageError("memsim plan needs a GPU", hint="give --gpu NAME or --memory SIZE")
+    if strategies_from_options(args, step):
+        raise UsageError("memsim plan chooses the strategies itself",
+                         hint="pin a degree with --fix tp=8 or --fix dp=4; drop --fsdp/--tp/...")
+    candidates, rejected = layouts(args.gpus, args.gpus_per_node, args.global_batch, fixed)
+    config = StepConfig(**step)
+    model = load_target(args.target, args.hf_class)
+    inputs = {s.name: s for s in specs}
+    _within_limits(model, inputs, config, {**point, batch: 1})
+    device, cap, overheads = setup
+    by_program: dict = {}
+    for lay in candidates:
+        by_program.setdefault(lay.program, []).append(lay)
+
+    def analyze_layout(lay):
+        kw = {}
+        if lay.tp > 1:
+            kw["tp"] = TensorParallel(lay.tp)
+        if lay.dp > 1:
+            kw["fsdp"] = FSDP(dp=lay.dp)
+        if lay.checkpoint != "none":
+            kw["checkpoint"] = lay.checkpoint
+        cfg = config.replace(accumulate=2 if lay.accumulate > 1 else 1)
+        points = [{**point, batch: x.micro_batch} for x in by_program[lay.program]]
+        if all(p[batch] == 1 for p in points):
+            # only micro-batch 1, below the formulas' range: traced at it, not beside them
+            one = {batch: 1}
+            return pinning_fixed(lambda m, i, c, fixed, **k: analyze_with(
+                m, fix_inputs(i, one), c.fixing(one), fixed={**fixed, **one}, **k),
+                model, inputs, cfg, points[-1], train=True, inference=False, **kw)
+        return pinning_fixed(analyze_with, model, inputs, cfg, points[-1], train=True,
+                             inference=False, points=points, **kw)
+
+    def budget_of(report, at):
+        if batch in report.fixed and report.fixed[batch] != at[batch]:
+            raise UsageError(f"the model pins {batch} to {report.fixed[batch]}",
+                             hint="pin the micro-batch with --fix micro_batch=N")
+        at = {k: v for k, v in at.items() if k not in report.fixed}
+        rep = worst_rank(report, at)
+        sub, sat = rep.for_point(at)
+        figs = sub.at(**sat)["train"]
+        states = sum(figs.get(k, 0) for k in ("parameters", "gradients", "optimizer_states"))
+        b = against(rep, at, gpu=device, capacity=cap, margin=args.margin,
+                    overheads=overheads, batch=batch, seq=seq)
+        return b, states, figs["peak"]
+
+    def progress(what):
+        if _SHOWN is not None:
+            _SHOWN.what = f"layout {what}"
+
+    usable = int((device.bytes if cap is None else cap) * (1 - args.margin))
+    result = plan(analyze_layout, budget_of, candidates, rejected, world=args.gpus,
+                  per_node=args.gpus_per_node, global_batch=args.global_batch, usable=usable,
+                  batch=batch, seq_point=point, rank_by=args.rank_by, progress=progress)
+    what = dict(model=args.target, gpu=device.name if device else None, seq=point.get(seq),
+                precision=config.precision.value, margin=args.margin)
+    if args.json:
+        print(json.dumps(plan_json(result, **what), indent=2))
+    else:
+        print(plan_text(result, **what, top=args.top))
+    return 0 if result.fitting else 1
+
+
 def worst_rank(report, point: dict):
     """Where ranks differ, the report of the rank whose peak is the largest at ``point`` (the
     one the verdict is about), with a note where it is not the rank shown at the example
@@ -337,8 +439,8 @@ def _compare(args) -> int:
         prepared.append((text, cargs, _prepare(cargs)))
     rows = []
     from memsim.tracer import progress
-    progress.expect(len(prepared))
     for i, (text, cargs, prep) in enumerate(prepared, 1):
+        progress.expect(len(prepared) - i + 1)   # this one and those after it
         if _SHOWN is not None:
             _SHOWN.what = (f"configuration {i} of {len(prepared)} "
                            f"({text.strip() or 'the common options'})")

@@ -29,7 +29,7 @@ import sys
 import sysconfig
 import time
 
-CACHED_COMMANDS = ("analyze", "compare", "checkpoint", "fit")
+CACHED_COMMANDS = ("analyze", "compare", "checkpoint", "fit", "plan")
 FILE_OPTIONS = ("--plot", "--html", "--timeline")
 LIBRARIES = ("torch", "transformers", "diffusers", "peft", "deepspeed", "bitsandbytes",
              "sympy", "networkx", "tabulate")

@@ -157,6 +157,29 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--plot", metavar="FILE",
                    help="draw every configuration's total against the batch and the sequence "
                         "size with GPU capacities: FILE.png, .svg, .pdf or .html")
+    n = sub.add_parser("plan", help="which layouts (TP, FSDP2, checkpointing, micro-batch) "
+                                    "fit this model on a cluster, ranked",
+                       description="Every layout of --gpus ranks reaching --global-batch, each "
+                                   "answered from memsim's traced per-rank figures on the rank "
+                                   "with the largest peak; one trace per program answers every "
+                                   "micro-batch (docs/plan.md).")
+    add_common(n)
+    n.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in all")
+    n.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+                   help="GPUs per node: tensor parallelism stays within one (default 8)")
+    n.add_argument("--global-batch", type=int, required=True, metavar="G",
+                   help="sequences per optimizer step over every data-parallel rank")
+    n.add_argument("--seq", type=int, metavar="S",
+                   help="the sequence length (the --seq-symbol's size)")
+    n.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
+                   help="pin a field of every layout: tp, dp, checkpoint (none, blocks), "
+                        "micro_batch (repeatable), e.g. --fix tp=8")
+    n.add_argument("--top", type=int, default=10,
+                   help="layouts that fit to list (default 10; --json has them all)")
+    n.add_argument("--rank-by", default="default", metavar="RULE",
+                   help="the ranking among layouts that fit: default (least recomputation, "
+                        "smallest tp, fewest accumulation steps, largest headroom), headroom, "
+                        "throughput (least recomputation, fewest accumulation steps, smallest tp)")
     sub.add_parser("gpus", help="list the GPU catalog")
     return p
 

@@ -142,8 +142,10 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
     for s in given.values():
         plan = s.apply(plan)
 
-    def traced(rank: int) -> Report:
+    def traced(rank: int, left: int = 1) -> Report:
+        """Rank ``rank``'s analysis, ``left`` ranks (this one included) still to trace."""
         from memsim.tracer import progress
+        progress.expect(per_rank * left)
         with progress.about(f"rank {rank} of {plan.ranks.world}") if plan.ranks.world > 1 \
                 else contextlib.nullcontext():
             return analysis.analyze(plan.model, inputs, plan.config, train=train,
@@ -151,26 +153,22 @@ def analyze(model: torch.nn.Module, inputs: dict, config: StepConfig | None = No
                                     transform=plan.transform(rank),
                                     driver=plan.driver(rank) if plan.driver else None)
 
-    from memsim.tracer import progress
     ranks = plan.ranks
     per_rank = int(bool(train)) + int(bool(inference))   # runs of one rank's analysis
     if ranks.by_sizes is not None:
-        progress.expect(per_rank)
         reports = {0: traced(0)}
         classes = ranks.by_sizes(_sizes(reports[0], inputs, fixed))
-        progress.expect(per_rank * sum(c[0] not in reports for c in classes))
-        reports.update({c[0]: traced(c[0]) for c in classes if c[0] not in reports})
+        rest = [c[0] for c in classes if c[0] not in reports]
+        reports.update({r: traced(r, len(rest) - i) for i, r in enumerate(rest)})
         classes = _merged(classes, reports)
         reports = {c[0]: reports[c[0]] for c in classes}
         shown = 0
     elif ranks.sampled is None:
         classes = ranks.classes
-        progress.expect(per_rank * len(classes))
-        reports = {c[0]: traced(c[0]) for c in classes}
+        reports = {c[0]: traced(c[0], len(classes) - i) for i, c in enumerate(classes)}
         shown = classes[0][0]
     else:
-        progress.expect(per_rank * len(ranks.sampled))
-        reports = {r: traced(r) for r in ranks.sampled}
+        reports = {r: traced(r, len(ranks.sampled) - i) for i, r in enumerate(ranks.sampled)}
         heads = {c[0]: c for c in ranks.classes}
         groups: dict[str, list[int]] = {}
         for r, rep in reports.items():

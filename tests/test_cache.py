@@ -58,6 +58,7 @@ def test_a_repeated_command_is_answered_from_disk(tmp_path):
 
 def test_what_is_not_kept():
     assert entry.cacheable(["analyze", "m.py:f", "--input", "x=float32[B]"])
+    assert entry.cacheable(["plan", "m.py:f", "--gpus", "8", "--global-batch", "64"])
     assert not entry.cacheable(["analyze", "m.py:f", "--no-cache"])
     assert not entry.cacheable(["analyze", "m.py:f", "--plot", "p.png"])
     assert not entry.cacheable(["analyze", "m.py:f", "--html=r.html"])
