@@ -302,12 +302,8 @@ def _fit_options(args, model, inputs, config, strategy, point, setup, budget, re
 def _plan(args) -> int:
     """``memsim plan``: every layout checked before any trace, then one analysis per program
     (memsim.plan)."""
-    from memsim.analysis import fix_inputs, pinning_fixed
-    from memsim.analysis.budget import against
-    from memsim.strategies import FSDP, TensorParallel
-    from memsim.strategies import analyze as analyze_with
-
-    from .plan import check_rank_by, check_world, layouts, parse_fix, plan
+    from .plan import check_rank_by, check_world, layouts, parse_fix, plan, programs_of
+    from .plan_run import Job, _model, connect, locally, on_ray
     from .render_plan import plan_json, plan_text
     check_world(args.gpus, args.gpus_per_node)
     check_rank_by(args.rank_by)
@@ -342,54 +338,26 @@ def _plan(args) -> int:
                          hint="pin a degree with --fix tp=8 or --fix dp=4; drop --fsdp/--tp/...")
     candidates, rejected = layouts(args.gpus, args.gpus_per_node, args.global_batch, fixed)
     config = StepConfig(**step)
-    model = load_target(args.target, args.hf_class)
-    inputs = {s.name: s for s in specs}
-    _within_limits(model, inputs, config, {**point, batch: 1})
-    device, cap, overheads = setup
-    by_program: dict = {}
-    for lay in candidates:
-        by_program.setdefault(lay.program, []).append(lay)
+    if args.cluster:
+        connect(args.cluster)   # before any trace: a cluster that does not answer is an error
+    job = Job(args.target, args.hf_class, tuple(input_options(args)), config, setup,
+              args.margin, tuple(point.items()), batch, seq, os.getcwd())
+    # the model's own limits (a Hugging Face model's positions), before the first trace
+    _within_limits(_model(job), {s.name: s for s in specs}, config, {**point, batch: 1})
+    programs = programs_of(candidates)
 
-    def analyze_layout(lay):
-        kw = {}
-        if lay.tp > 1:
-            kw["tp"] = TensorParallel(lay.tp)
-        if lay.dp > 1:
-            kw["fsdp"] = FSDP(dp=lay.dp)
-        if lay.checkpoint != "none":
-            kw["checkpoint"] = lay.checkpoint
-        cfg = config.replace(accumulate=2 if lay.accumulate > 1 else 1)
-        points = [{**point, batch: x.micro_batch} for x in by_program[lay.program]]
-        if all(p[batch] == 1 for p in points):
-            # only micro-batch 1, below the formulas' range: traced at it, not beside them
-            one = {batch: 1}
-            return pinning_fixed(lambda m, i, c, fixed, **k: analyze_with(
-                m, fix_inputs(i, one), c.fixing(one), fixed={**fixed, **one}, **k),
-                model, inputs, cfg, points[-1], train=True, inference=False, **kw)
-        return pinning_fixed(analyze_with, model, inputs, cfg, points[-1], train=True,
-                             inference=False, points=points, **kw)
-
-    def budget_of(report, at):
-        if batch in report.fixed and report.fixed[batch] != at[batch]:
-            raise UsageError(f"the model pins {batch} to {report.fixed[batch]}",
-                             hint="pin the micro-batch with --fix micro_batch=N")
-        at = {k: v for k, v in at.items() if k not in report.fixed}
-        rep = worst_rank(report, at)
-        sub, sat = rep.for_point(at)
-        figs = sub.at(**sat)["train"]
-        states = sum(figs.get(k, 0) for k in ("parameters", "gradients", "optimizer_states"))
-        b = against(rep, at, gpu=device, capacity=cap, margin=args.margin,
-                    overheads=overheads, batch=batch, seq=seq)
-        return b, states, figs["peak"]
-
-    def progress(what):
+    def said(lays):
         if _SHOWN is not None:
-            _SHOWN.what = f"layout {what}"
+            first = lays[0]
+            _SHOWN.what = "layout " + first.flags().replace(
+                f" --accumulate {first.accumulate}", "") + (
+                " with accumulation" if first.accumulate > 1 else "")
 
+    answers = on_ray(job, programs) if args.cluster else locally(job, programs, said)
+    device, cap, _ = setup
     usable = int((device.bytes if cap is None else cap) * (1 - args.margin))
-    result = plan(analyze_layout, budget_of, candidates, rejected, world=args.gpus,
-                  per_node=args.gpus_per_node, global_batch=args.global_batch, usable=usable,
-                  batch=batch, seq_point=point, rank_by=args.rank_by, progress=progress)
+    result = plan(answers, rejected, world=args.gpus, per_node=args.gpus_per_node,
+                  global_batch=args.global_batch, usable=usable, rank_by=args.rank_by)
     what = dict(model=args.target, gpu=device.name if device else None, seq=point.get(seq),
                 precision=config.precision.value, margin=args.margin)
     if args.json:

@@ -174,6 +174,11 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a field of every layout: tp, dp, checkpoint (none, blocks), "
                         "micro_batch (repeatable), e.g. --fix tp=8")
+    n.add_argument("--cluster", metavar="ADDRESS",
+                   help="trace the layouts' programs as tasks of the Ray cluster at ADDRESS "
+                        "(host:port of 'ray start --head'), or 'local' for a Ray cluster of "
+                        "this machine's processes (pip install 'memsim[cluster]'); default: "
+                        "in this process")
     n.add_argument("--top", type=int, default=10,
                    help="layouts that fit to list (default 10; --json has them all)")
     n.add_argument("--rank-by", default="default", metavar="RULE",

@@ -19,18 +19,18 @@ accumulation steps (the largest micro-batch), then the largest headroom. Layouts
 are grouped by reason: the model states alone exceed the usable memory; they fit, but not the
 activations at the smallest micro-batch; a degree the model or the batch does not divide.
 
-Pipeline, context and expert parallelism, ZeRO, offload and HSDP are not searched yet; nor are
-the traces spread over processes or a cluster.
+The programs are traced in this process, or as tasks of a Ray cluster (memsim.plan_run).
+Pipeline, context and expert parallelism, ZeRO, offload and HSDP are not searched yet.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
-from memsim.tracer import InputError, MemsimError, UsageError
+from memsim.tracer import InputError, UsageError
 
-__all__ = ["Layout", "Planned", "PlanResult", "layouts", "plan", "RANK_RULES"]
+__all__ = ["Layout", "Planned", "PlanResult", "layouts", "programs_of", "plan", "RANK_RULES"]
 
 CHECKPOINTS = ("none", "blocks")
 # --fix KEY=VALUE: what a layout may pin
@@ -198,42 +198,26 @@ def parse_fix(items: list[str]) -> dict:
     return out
 
 
-def plan(analyze: Callable, budget_of: Callable, candidates: list[Layout],
-         rejected: list[Planned], *, world: int, per_node: int, global_batch: int,
-         usable: int, batch: str, seq_point: dict, rank_by: str = "default",
-         progress: Callable[[str], None] | None = None) -> PlanResult:
-    """Answer ``candidates``: ``analyze(layout)`` is the analysis of a layout's program (its
-    strategies, checkpointing and accumulation; symbolic in ``batch``), ``budget_of(report,
-    point)`` the budget on the worst rank at a point; ``seq_point`` the other symbols' sizes."""
-    check_rank_by(rank_by)
-    from memsim.tracer import progress as runs
-
-    result = PlanResult(world, per_node, global_batch, usable, rule=rank_by)
-    programs: dict[tuple, list[Layout]] = {}
+def programs_of(candidates: list[Layout]) -> list[list[Layout]]:
+    """The layouts grouped by the program that answers them (one trace each), in order."""
+    out: dict[tuple, list[Layout]] = {}
     for lay in candidates:
-        programs.setdefault(lay.program, []).append(lay)
-    before = runs.traces()
+        out.setdefault(lay.program, []).append(lay)
+    return list(out.values())
+
+
+def plan(answers: Iterable[tuple[list[Planned], int]], rejected: list[Planned], *,
+         world: int, per_node: int, global_batch: int, usable: int,
+         rank_by: str = "default") -> PlanResult:
+    """The plan from each program's answer (``(rows, symbolic runs)``, memsim.plan_run) and
+    the combinations that cannot reach the global batch: reasons given, ranked by
+    ``rank_by``."""
+    check_rank_by(rank_by)
+    result = PlanResult(world, per_node, global_batch, usable, rule=rank_by)
     rows: list[Planned] = list(rejected)
-    for i, (key, lays) in enumerate(programs.items()):
-        runs.expect(len(programs) - i)   # this one and those after it (a floor, see progress)
-        if progress is not None:
-            progress(lays[0].flags().replace(f" --accumulate {lays[0].accumulate}", "")
-                     + (" with accumulation" if key[3] else ""))
-        try:
-            report = analyze(lays[0])
-        except MemsimError as e:
-            rows += [Planned(lay, reason=f"not valid for this model: {e.message}")
-                     for lay in lays]
-            continue
-        for lay in sorted(lays, key=lambda lay: lay.micro_batch):
-            point = {**seq_point, batch: lay.micro_batch}
-            try:
-                b, states, peak = budget_of(report, point)
-            except MemsimError as e:
-                rows.append(Planned(lay, reason=f"not answered: {e.message}"))
-                continue
-            rows.append(Planned(lay, b.total, peak, states, b.headroom, b.fits))
-    result.traces = runs.traces() - before   # sizes below the formulas' range traced beside
+    for got, runs in answers:
+        rows += got
+        result.traces += runs
     _reasons(rows, usable)
     rule = RANK_RULES[rank_by]
     rows.sort(key=lambda r: (_fits_key(r), rule(r) if r.fits else (

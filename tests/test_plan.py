@@ -51,8 +51,8 @@ def test_ranking_rules():
 
     def ranked(rule):
         return [(r.layout.tp, r.layout.checkpoint, r.layout.micro_batch) for r in
-                plan(lambda lay: None, None, [], list(rows), world=2, per_node=2,
-                     global_batch=4, usable=10, batch="B", seq_point={}, rank_by=rule).rows]
+                plan([(list(rows), 1)], [], world=2, per_node=2, global_batch=4, usable=10,
+                     rank_by=rule).rows]
     assert ranked("default") == [(1, "none", 2), (1, "none", 1), (2, "none", 2),
                                  (1, "blocks", 1), (1, "none", 4), (2, "none", 4)]
     assert ranked("headroom")[:4] == [(1, "blocks", 1), (1, "none", 2), (2, "none", 2),
@@ -76,7 +76,9 @@ def test_errors_come_before_any_trace(capsys, monkeypatch):
             (["--fix", "checkpoint=all"], "searches none and blocks"),
             (["--rank-by", "speed"], "is not a rule"),
             (["--gpu", "h1000"], "h1000"),
-            (["--at", "B=2"], "chooses the micro-batch")):
+            (["--at", "B=2"], "chooses the micro-batch"),
+            (["--cluster", "nowhere"], "is not host:port or local"),
+            (["--cluster", "127.0.0.1:1"], "no Ray cluster answers there")):
         argv = [a for a in PLAN if a != "--json"] + extra
         if "--gpu" not in extra:
             argv += ["--memory", "1GiB"]
