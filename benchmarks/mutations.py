@@ -587,6 +587,12 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_plan_cluster.py::test_a_worker_that_dies_mid_task_loses_no_layout",),
              "Ray's report of a dead worker printed into --json's document"),
 
+    Mutation("plan-page-verdict-after-picture", "memsim/render_plan.py",
+             "    parts = [head, f\"<p>{r.traces} traces answered \"",
+             "    parts = [f\"<p>{r.traces} traces answered \"",
+             ("tests/test_plan.py::test_the_html_page_answers_first",),
+             "the plan's page without its answer at the top"),
+
     Mutation("other-warnings-not-held", "memsim/cli.py",
              "    logging.Logger.handle = hold\n",
              "",

@@ -329,6 +329,8 @@ def _plan(args) -> int:
         raise UsageError(f"--seq given, and no --input has {seq}",
                          hint="drop --seq, or name the sequence dimension with --seq-symbol")
     check_point({**point, batch: 1}, specs)
+    file_option(args, "html", {batch: 1}, (".html", ".htm"), "not an .html file",
+                "e.g. --html plan.html")
     step = StepConfig.from_options(args)
     setup = budget_setup(args, {**point, batch: 1})
     if setup is None:
@@ -360,10 +362,16 @@ def _plan(args) -> int:
                   global_batch=args.global_batch, usable=usable, rank_by=args.rank_by)
     what = dict(model=args.target, gpu=device.name if device else None, seq=point.get(seq),
                 precision=config.precision.value, margin=args.margin)
+    text = plan_text(result, **what, top=args.top)
+    if args.html:
+        from .render_plan import plan_html
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(plan_html(result, text, **what, capacity=cap or (device and device.bytes)))
+        print(f"memsim: plan written to {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(plan_json(result, **what), indent=2))
     else:
-        print(plan_text(result, **what, top=args.top))
+        print(text)
     return 0 if result.fitting else 1
 
 

@@ -181,6 +181,9 @@ def parser() -> argparse.ArgumentParser:
                         "in this process")
     n.add_argument("--top", type=int, default=10,
                    help="layouts that fit to list (default 10; --json has them all)")
+    n.add_argument("--html", metavar="FILE",
+                   help="also write the plan as one self-contained page: the layouts' totals "
+                        "against the GPU, the table, the reasons")
     n.add_argument("--rank-by", default="default", metavar="RULE",
                    help="the ranking among layouts that fit: default (least recomputation, "
                         "smallest tp, fewest accumulation steps, largest headroom), headroom, "

@@ -154,15 +154,37 @@ def test_plan_text_names_the_best_layout_and_the_reasons(capsys):
                 ["--memory", "1GiB", "--fix", "tp=1", "--fix", "checkpoint=none"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("memsim plan: tests.support.oracles.dist:llama_model on 2 GPUs (1 "
-                          "node of 2), 1.00 GiB usable (each, margin 0%), global batch 4 x S=16")
+                          "node of 2), 1.00 GiB usable each (margin 0%), global batch 4 x S=16")
     assert "Layouts that fit, best first (least recomputation" in out
     assert "best: memsim analyze tests.support.oracles.dist:llama_model ... --at B=2,S=16 " \
            "--fsdp --dp 2" in out
     assert main([a for a in PLAN if a not in ("--json",)] +
-                ["--memory", "100KiB", "--fix", "tp=1", "--fix", "checkpoint=none"]) == 1
+                ["--memory", "100KiB", "--fix", "tp=1", "--fix", "checkpoint=none",
+                 "--fix", "micro_batch=2"]) == 1
     out = capsys.readouterr().out
     assert "No layout fits." in out
-    assert "the model states alone exceed the usable memory (2)" in out, out
+    assert "the model states alone exceed the usable memory (1)" in out, out
+
+
+def test_the_html_page_answers_first(capsys, tmp_path):
+    """``--html``: one self-contained page, the answer first (how many fit, the best), the
+    layouts' totals against the GPU as an inline SVG, the table and the reasons."""
+    page = tmp_path / "plan.html"
+    assert main([a for a in PLAN if a != "--json"] + ["--memory", "1GiB", "--fix", "tp=1",
+                                                      "--fix", "checkpoint=none",
+                                                      "--fix", "micro_batch=2",
+                                                      "--html", str(page)]) == 0
+    capsys.readouterr()
+    got = page.read_text()
+    assert got.index('class="verdict fits"') < got.index("<svg")
+    assert "1 of 1 FIT" in got and "best: <code>--fsdp --dp 2</code>" in got
+    assert "total per rank" in got and "usable (" in got
+    from tests.test_report_html import _Tags
+    tags = _Tags()
+    tags.feed(got)
+    assert not tags.resources and not tags.errors, (tags.resources, tags.errors)
+    assert main(PLAN + ["--memory", "1GiB", "--html", "plan.txt"]) == 2
+    assert "not an .html file" in capsys.readouterr().err
 
 
 def test_accumulation_is_one_program_and_memory_rises_with_the_micro_batch(capsys):
