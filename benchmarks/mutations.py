@@ -578,13 +578,13 @@ MUTATIONS: list[Mutation] = [
     Mutation("plan-cluster-task-not-retried", "memsim/plan_run.py",
              "            task = ray.remote(max_retries=3)(answer)",
              "            task = ray.remote(max_retries=0)(answer)",
-             ("tests/test_plan_cluster.py::test_a_worker_that_dies_mid_task_loses_no_layout",),
+             ("tests/test_plan_cluster.py::test_a_ray_cluster_gives_the_plan_this_process_gives_and_loses_no_layout",),
              "a plan on a cluster losing the layouts of a task whose worker died"),
 
     Mutation("plan-cluster-prints-on-stdout", "memsim/plan_run.py",
              "    with contextlib.redirect_stdout(sys.stderr):\n        try:\n            task",
              "    with contextlib.nullcontext():\n        try:\n            task",
-             ("tests/test_plan_cluster.py::test_a_worker_that_dies_mid_task_loses_no_layout",),
+             ("tests/test_plan_cluster.py::test_a_ray_cluster_gives_the_plan_this_process_gives_and_loses_no_layout",),
              "Ray's report of a dead worker printed into --json's document"),
 
     Mutation("plan-page-verdict-after-picture", "memsim/render_plan.py",
