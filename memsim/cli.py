@@ -288,9 +288,7 @@ def _fit_options(args, model, inputs, config, strategy, point, setup, budget, re
         if _SHOWN is not None:
             _SHOWN.what = f"what would make it fit: {flags}"
 
-    sub, at = report.for_point(point)
-    figs = sub.at(**at)["train" if sub.train is not None else "inference"]
-    states = sum(figs.get(k, 0) for k in ("parameters", "gradients", "optimizer_states"))
+    states = model_states(figures_at(report, point))
     try:
         return fit_options(analyze, model, inputs, config, strategy, point, budget_of,
                            states, budget.usable, progress)
@@ -305,7 +303,7 @@ def _plan(args) -> int:
     from .plan import check_rank_by, check_world, layouts, parse_fix, plan, programs_of
     from .plan_run import Job, _model, connect, locally, on_ray
     from .render_plan import plan_json, plan_text
-    check_world(args.gpus, args.gpus_per_node)
+    check_world(args.gpus, args.gpus_per_node)   # (layouts() checks it too, after the inputs)
     check_rank_by(args.rank_by)
     fixed = parse_fix(args.fix)
     specs = [parse_input(s) for s in input_options(args)]
@@ -350,14 +348,12 @@ def _plan(args) -> int:
 
     def said(lays):
         if _SHOWN is not None:
-            first = lays[0]
-            _SHOWN.what = "layout " + first.flags().replace(
-                f" --accumulate {first.accumulate}", "") + (
-                " with accumulation" if first.accumulate > 1 else "")
+            _SHOWN.what = f"layout {lays[0].program_flags()}"
 
     answers = on_ray(job, programs) if args.cluster else locally(job, programs, said)
     device, cap, _ = setup
-    usable = int((device.bytes if cap is None else cap) * (1 - args.margin))
+    capacity = device.bytes if cap is None else cap
+    usable = int(capacity * (1 - args.margin))
     result = plan(answers, rejected, world=args.gpus, per_node=args.gpus_per_node,
                   global_batch=args.global_batch, usable=usable, rank_by=args.rank_by)
     what = dict(model=args.target, gpu=device.name if device else None, seq=point.get(seq),
@@ -366,13 +362,25 @@ def _plan(args) -> int:
     if args.html:
         from .render_plan import plan_html
         with open(args.html, "w", encoding="utf-8") as f:
-            f.write(plan_html(result, text, **what, capacity=cap or (device and device.bytes)))
+            f.write(plan_html(result, text, **what, capacity=capacity))
         print(f"memsim: plan written to {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(plan_json(result, **what), indent=2))
     else:
         print(text)
     return 0 if result.fitting else 1
+
+
+def figures_at(report, point: dict) -> dict:
+    """``report``'s figures at ``point``: its training step's where it has one, else
+    inference's (a point below the formulas' range traced beside them, Report.for_point)."""
+    sub, at = report.for_point(point)
+    return sub.at(**at)["train" if sub.train is not None else "inference"]
+
+
+def model_states(figures: dict) -> int:
+    """Parameters, gradients and optimizer states, of :func:`figures_at`'s figures."""
+    return sum(figures.get(k, 0) for k in ("parameters", "gradients", "optimizer_states"))
 
 
 def worst_rank(report, point: dict):
@@ -383,12 +391,7 @@ def worst_rank(report, point: dict):
     if len(classes) < 2:
         return report
 
-    def peak(rc):
-        sub, at = rc.report.for_point(point)
-        step = "train" if sub.train is not None else "inference"
-        return sub.at(**at)[step]["peak"]
-
-    worst = max(classes, key=lambda rc: (peak(rc), -rc.ranks[0]))
+    worst = max(classes, key=lambda rc: (figures_at(rc.report, point)["peak"], -rc.ranks[0]))
     if worst.report.rank == report.rank:
         return report
     from dataclasses import replace

@@ -25,7 +25,7 @@ Pipeline, context and expert parallelism, ZeRO, offload and HSDP are not searche
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from memsim.tracer import InputError, UsageError
@@ -65,6 +65,11 @@ class Layout:
         if self.accumulate > 1:
             out.append(f"--accumulate {self.accumulate}")
         return " ".join(out) or "(one device, no strategy)"
+
+    def program_flags(self) -> str:
+        """The options of this layout's program: its own, accumulation said as such."""
+        return replace(self, accumulate=1).flags() + (
+            " with accumulation" if self.accumulate > 1 else "")
 
     def as_dict(self) -> dict:
         return {"tp": self.tp, "dp": self.dp, "fsdp": self.dp > 1, "checkpoint": self.checkpoint,
@@ -116,10 +121,6 @@ class PlanResult:
         return out
 
 
-def _fits_key(r: Planned):
-    return (not r.fits,)
-
-
 # the rules a plan may be ranked by (--rank-by): each a key over a row, after "fits first"
 RANK_RULES: dict[str, Callable[[Planned], tuple]] = {
     "default": lambda r: (r.layout.checkpoint != "none", r.layout.tp, r.layout.accumulate,
@@ -141,8 +142,7 @@ def layouts(world: int, per_node: int, global_batch: int,
     batch (``dp`` not dividing it), as rows that do not fit. A typed error where no layout is
     left, naming the option."""
     fixed = dict(fixed or {})
-    if world < 1 or per_node < 1:
-        raise UsageError(f"--gpus {world} and --gpus-per-node {per_node} must be at least 1")
+    check_world(world, per_node)
     if global_batch < 1:
         raise UsageError(f"--global-batch {global_batch} must be at least 1")
     tps = [t for t in _divisors(min(per_node, world)) if world % t == 0]
@@ -220,7 +220,7 @@ def plan(answers: Iterable[tuple[list[Planned], int]], rejected: list[Planned], 
         result.traces += runs
     _reasons(rows, usable)
     rule = RANK_RULES[rank_by]
-    rows.sort(key=lambda r: (_fits_key(r), rule(r) if r.fits else (
+    rows.sort(key=lambda r: (not r.fits, rule(r) if r.fits else (
         r.total is None, r.total or 0)))
     result.rows = rows
     return result
@@ -255,7 +255,8 @@ def _reasons(rows: list[Planned], usable: int) -> None:
 
 def check_rank_by(rule: str) -> None:
     if rule not in RANK_RULES:
-        raise UsageError(f"--rank-by {rule!r} is not a rule", hint=f"one of {', '.join(RANK_RULES)}")
+        raise UsageError(f"--rank-by {rule!r} is not a rule",
+                         hint=f"one of {', '.join(RANK_RULES)}")
 
 
 def check_world(world: int, per_node: int) -> None:

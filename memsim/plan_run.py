@@ -119,19 +119,17 @@ def _analysis(job: Job, lays: list[Layout]):
 def _budget(job: Job, report, at: dict):
     from memsim.analysis.budget import against
 
-    from .cli import worst_rank
+    from .cli import figures_at, model_states, worst_rank
     if job.batch in report.fixed and report.fixed[job.batch] != at[job.batch]:
         raise UsageError(f"the model pins {job.batch} to {report.fixed[job.batch]}",
                          hint="pin the micro-batch with --fix micro_batch=N")
     at = {k: v for k, v in at.items() if k not in report.fixed}
     rep = worst_rank(report, at)
-    sub, sat = rep.for_point(at)
-    figs = sub.at(**sat)["train"]
-    states = sum(figs.get(k, 0) for k in ("parameters", "gradients", "optimizer_states"))
+    figs = figures_at(rep, at)
     device, cap, overheads = job.setup
     b = against(rep, at, gpu=device, capacity=cap, margin=job.margin, overheads=overheads,
                 batch=job.batch, seq=job.seq)
-    return b, states, figs["peak"]
+    return b, model_states(figs), figs["peak"]
 
 
 def locally(job: Job, programs: list[list[Layout]],
@@ -166,9 +164,7 @@ def connect(address: str) -> None:
                  logging_level=logging.ERROR, include_dashboard=False,
                  configure_logging=True)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise InputError(f"--cluster {address}: no Ray cluster answers there ({e})",
-                         hint="start one with 'ray start --head' and give its address "
-                              "(host:port), or --cluster local") from None
+        raise _silent(address, e) from None
 
 
 def _answers(address: str, timeout: float = 5.0) -> None:
@@ -182,9 +178,13 @@ def _answers(address: str, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
     except OSError as e:
-        raise InputError(f"--cluster {address}: no Ray cluster answers there ({e})",
-                         hint="start one with 'ray start --head' and give its address "
-                              "(host:port), or --cluster local") from None
+        raise _silent(address, e) from None
+
+
+def _silent(address: str, why: Exception) -> InputError:
+    return InputError(f"--cluster {address}: no Ray cluster answers there ({why})",
+                      hint="start one with 'ray start --head' and give its address "
+                           "(host:port), or --cluster local")
 
 
 def on_ray(job: Job, programs: list[list[Layout]]) -> Iterable[tuple[list[Planned], int]]:

@@ -33,6 +33,8 @@ def test_layouts_reach_the_global_batch():
     assert "does not divide by dp=8" in rejected[0].reason
     assert Layout(2, 4, "blocks", 1, 4).flags() == \
         "--tp 2 --fsdp --dp 4 --checkpoint blocks --accumulate 4"
+    assert Layout(2, 4, "blocks", 1, 4).program_flags() == \
+        "--tp 2 --fsdp --dp 4 --checkpoint blocks with accumulation"
     # micro-steps after the second repeat it: accumulation 2 and 4 are one program
     assert Layout(1, 8, "none", 1, 2).program == Layout(1, 8, "none", 2, 4).program
 
