@@ -794,6 +794,25 @@ MUTATIONS: list[Mutation] = [
              "    return usable",
              ("tests/test_report_html.py",),
              "the allocator confined to the usable share with the CUDA context inside it"),
+    # expert parallelism (strategies/ep.py, tracer/known_data.py's Tallies)
+    Mutation("ep-exchange-from-rank-0", "tracer/known_data.py",
+             "mine = at.reshape(-1)[me * each:(me + 1) * each]",
+             "mine = at.reshape(-1)[0:each]",
+             ("tests/test_ep.py::test_every_expert_rank_equals_a_real_gloo_run",),
+             "every expert rank receives the tokens of the first rank's experts"),
+    Mutation("ep-counts-without-bound", "tracer/known_data.py",
+             "counts = [route.tokens_of(e, bound) if e < route.n else 0 for e in range(n)]",
+             "counts = [route.tokens if e < route.n else 0 for e in range(n)]",
+             ("tests/test_ep.py::test_every_expert_rank_equals_a_real_gloo_run",),
+             "every expert counted at all the tokens, whatever the routing bound"),
+    Mutation("ep-ranks-not-by-expert-rank", "strategies/ep.py",
+             "sig = (r % ep,) + tuple(", "sig = () + tuple(",
+             ("tests/test_ep.py::test_every_expert_rank_equals_a_real_gloo_run",),
+             "the expert ranks grouped as one, the first one's figures for all"),
+    Mutation("ep-dp-divisibility-unchecked", "strategies/ep.py",
+             "        if fsdp.dp % self.ep:\n", "        if False:\n",
+             ("tests/test_ep.py::test_bad_layouts_are_refused_before_any_trace",),
+             "an --ep that does not divide --dp goes on to the trace"),
 
 ]
 

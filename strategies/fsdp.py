@@ -145,8 +145,9 @@ class FSDP(Strategy):
                   "FSDP2 and ZeRO-3 are the same idea; DDP buckets do not exist under FSDP")
 
     def apply(self, plan):
-        if "tp" in plan.given or "pp" in plan.given:
-            # TensorParallel shards both (a 2-D mesh); a pipeline shards each rank's stages
+        if "tp" in plan.given or "pp" in plan.given or "ep" in plan.given:
+            # TensorParallel shards both (a 2-D mesh); a pipeline shards each rank's stages;
+            # expert parallelism lays out both with the model's own plans
             return plan
         return sharded(plan, self, None)
 

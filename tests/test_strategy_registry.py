@@ -95,7 +95,7 @@ def test_a_strategy_from_its_own_file_reaches_every_front(freeze_registered, cap
 def test_registered_order_and_the_front_door_export(freeze_registered):
     keys = list(base.registered_strategies())
     assert keys[0] == "freeze"     # order 5 applies before LoRA's 10, though registered last
-    assert keys[1:] == ["lora", "checkpoint", "tp", "fsdp", "zero", "pp", "ddp"]
+    assert keys[1:] == ["lora", "checkpoint", "tp", "ep", "fsdp", "zero", "pp", "ddp"]
     assert memsim.Freeze is freeze_registered
 
 

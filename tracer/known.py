@@ -48,7 +48,8 @@ import weakref
 
 import torch
 
-from .known_data import _EXTREMES, _ROUTING, _SUMS, SMALL, Contents, Counts, Routes
+from .known_data import (_EXTREMES, _ROUTING, _SUMS, _TALLY_OPS, SMALL, Contents, Counts, Routes,
+                         Tallies)
 
 aten = torch.ops.aten
 _INF = float("inf")
@@ -140,7 +141,7 @@ def _kind(func) -> int:
     return k
 
 
-class _Known(Contents, Counts, Routes):
+class _Known(Contents, Counts, Routes, Tallies):
     def __init__(self) -> None:
         # storage -> the bounds (lo, hi) of every element's value; lo == hi: the value
         self.values: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -175,6 +176,9 @@ class _Known(Contents, Counts, Routes):
         self.onehot: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.per_expert: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.hit: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # storage -> one size per element: tokens per expert counted and exchanged by expert
+        # parallelism (:class:`~memsim.tracer.known_data.Tallies`)
+        self.tallies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def mark(self, t: torch.Tensor, value: int = 1, because: str | None = None) -> None:
         self.bound(t, (value, value), because)
@@ -274,6 +278,8 @@ class _Known(Contents, Counts, Routes):
     def observe(self, func, args, kwargs, out) -> None:
         if self.contents and self._compute(func, args, kwargs, out):
             return
+        if func in _TALLY_OPS and self._tally(func, args, kwargs, out):
+            return
         if func in _ROUTING and self._route(func, args, kwargs, out):
             return
         if func in _SUMS and self._count(func, args, kwargs, out):
@@ -369,6 +375,7 @@ class _Known(Contents, Counts, Routes):
                     self.contents.pop(t.untyped_storage(), None)
                     self.counts.pop(t.untyped_storage(), None)
                     self.exactly.pop(t.untyped_storage(), None)
+                    self.tallies.pop(t.untyped_storage(), None)
 
 
     def _combine(self, func, args, out) -> None:
@@ -525,6 +532,19 @@ def counted(mask: torch.Tensor, count):
 def routed(t: torch.Tensor):
     """:meth:`_Known.routed` in the current run."""
     return None if _active is None else _active.routed(t)
+
+
+def tally(t: torch.Tensor):
+    """The size a one-element ``t`` holds where it is one of expert parallelism's counts
+    (:class:`~memsim.tracer.known_data.Tallies`), what it assumed recorded; or None."""
+    if _active is None or not isinstance(t, torch.Tensor):
+        return None
+    v = _active.tally(t)
+    if v is not None:
+        why = _active.why(t)
+        if why is not None:
+            assume(why)
+    return v
 
 
 def tokens_per_expert(t: torch.Tensor):

@@ -294,3 +294,165 @@ class Routes:
                 or sympy.expand(_expr(t.numel()) - _expr(route.tokens) * route.k) != 0:
             return None
         return route, t.storage_offset()
+
+
+# counts followed element by element where some are sizes (:class:`Tallies`)
+_TALLY_OPS = frozenset({aten.scatter_add_.default, aten.scatter_add.default,
+                        aten.sum.dim_IntList, aten.stack.default, aten.cat.default,
+                        aten.clone.default, aten._to_copy.default})
+
+
+def _alltoall():
+    ns = getattr(torch.ops, "c10d", None)
+    try:
+        return ns.alltoall_base_.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ALLTOALL = _alltoall()
+if _ALLTOALL is not None:
+    _TALLY_OPS = _TALLY_OPS | {_ALLTOALL}
+
+
+class Tallies:
+    """Tokens per expert element by element, where the elements are sizes (``int`` or
+    ``SymInt``): the tracker's ``tallies``, storage -> one value per element of the storage.
+
+    Expert parallelism counts each expert's tokens (``zeros(n).scatter_add_(0, expert_ids,
+    ones)``, what Hugging Face's ``AllToAllEP`` does), exchanges the counts with an
+    all-to-all, sums them per rank and reads them as split sizes (``.tolist()``). Each
+    expert's count is the routing's at the run's bound (:class:`~memsim.tracer.data_dependent.
+    Route`); the all-to-all gives each rank what every rank's routing sends its experts, every
+    rank routing its tokens as this one does (the bound is the same on every rank)."""
+
+    def _tally(self, func, args, kwargs, out) -> bool:
+        """A step of the counts above: whether the op was one (its outputs then known)."""
+        if func in (aten.scatter_add_.default, aten.scatter_add.default):
+            return self._tally_scatter(func, args, out)
+        if func is _ALLTOALL:
+            return self._tally_exchange(args, kwargs)
+        if not self.tallies:
+            return False
+        ins = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
+        if not ins or any(self.tallies.get(a.untyped_storage()) is None for a in ins):
+            return False
+        arrays = [self._tally_array(a) for a in ins]
+        if any(a is None for a in arrays) or not isinstance(out, torch.Tensor):
+            return False
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            if func is aten.sum.dim_IntList:
+                dims = args[1] if len(args) > 1 else kwargs.get("dim")
+                if kwargs.get("keepdim") or (len(args) > 2 and args[2]) or not dims:
+                    return False
+                vals, at = arrays[0]
+                gone = sorted({d % at.dim() for d in dims})
+                kept = [d for d in range(at.dim()) if d not in gone]
+                rows = at.permute(*kept, *gone).reshape(*[at.shape[d] for d in kept], -1)
+                sums = [sum(vals[i] for i in row) for row in rows.reshape(-1, rows.shape[-1])
+                        .tolist()]
+                got = sums, torch.arange(len(sums)).reshape(rows.shape[:-1])
+            elif func in (aten.stack.default, aten.cat.default):
+                dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+                vals, ats = [], []
+                for v, at in arrays:
+                    ats.append(at + len(vals))
+                    vals = vals + v
+                got = vals, (torch.stack if func is aten.stack.default else torch.cat)(ats, dim)
+            else:   # a copy keeps the counts
+                got = arrays[0]
+        self._set_tallies(out, *got, self.why(*ins))
+        return True
+
+    def _tally_scatter(self, func, args, out) -> bool:
+        """``zeros(n).scatter_add_(0, expert_ids, ones_like(expert_ids))`` with the routing's
+        expert ids: the tokens per expert at the run's bound (noted)."""
+        target, dim, index, src = (args + (None,) * 4)[:4]
+        made = target if func is aten.scatter_add_.default else out
+        route = self.routes.get(index.untyped_storage()) if self.routes else None
+        if route is None or not isinstance(made, torch.Tensor) or made.dim() != 1 \
+                or dim not in (0, -1) or self.exact(target) != 0 or self.exact(src) != 1:
+            return False
+        n = made.shape[0]
+        if type(n) is not int or n < route.n or index.dim() != 1 \
+                or _expr(index.shape[0]) != _expr(route.tokens * route.k):
+            return False
+        from .data_dependent import _route_noted
+        bound = _route_noted(route, "tokens per expert")
+        counts = [route.tokens_of(e, bound) if e < route.n else 0 for e in range(n)]
+        with _real():
+            self._set_tallies(made, counts, torch.arange(n), self.why(index))
+        return True
+
+    def _tally_exchange(self, args, kwargs) -> bool:
+        """``all_to_all_single(out, counts)`` in equal splits over ``g`` ranks: what each rank
+        sends this one is its counts for this rank's experts, every rank routing as this one
+        does (noted)."""
+        out, inp, group = args[0], args[1], args[2]
+        splits = (args[3] if len(args) > 3 else (), args[4] if len(args) > 4 else ())
+        counts = self._tally_array(inp) if self.tallies.get(inp.untyped_storage()) is not None \
+            else None
+        if counts is None or any(len(s) for s in splits):
+            return False
+        if isinstance(group, torch.ScriptObject):
+            group = torch._C._distributed_c10d.ProcessGroup.unbox(group)
+        g, me = group.size(), group.rank()
+        vals, at = counts
+        if at.numel() % g:
+            return False
+        each = at.numel() // g
+        with _real():
+            mine = at.reshape(-1)[me * each:(me + 1) * each]
+            got = torch.cat([mine] * g).reshape(at.shape)
+        from .sources import model_line
+        why = (f"data-dependent size: the tokens per expert exchanged{model_line()}: every one "
+               f"of the {g} ranks routes its tokens as this one does")
+        from . import known
+        known.assume(why)
+        self._set_tallies(out, vals, got, why)
+        return True
+
+    def _tally_array(self, t: torch.Tensor):
+        """``(values, at)``: ``t``'s counts, ``at`` a real tensor of ``t``'s shape indexing
+        ``values`` (a list), or None."""
+        flat = self.tallies.get(t.untyped_storage())
+        layout = _layout(t)
+        if flat is None or layout is None:
+            return None
+        n, shape, stride, offset = layout
+        with _real():
+            return flat, torch.arange(n).as_strided(shape, stride, offset)
+
+    def _set_tallies(self, t: torch.Tensor, values: list, at, why: str | None) -> None:
+        """``t``'s elements are ``values[i]`` for ``i`` in ``at`` (a real index tensor of
+        ``t``'s shape)."""
+        layout = _layout(t)
+        if layout is None or layout[0] > SMALL or tuple(at.shape) != layout[1]:
+            return
+        n, shape, stride, offset = layout
+        flat = [0] * n
+        with _real():
+            where = torch.arange(n).as_strided(shape, stride, offset)
+            for pos, i in zip(where.reshape(-1).tolist(), at.reshape(-1).tolist()):
+                flat[pos] = values[i]
+        st = t.untyped_storage()
+        self.tallies[st] = flat
+        if why is not None:
+            self.because[st] = why
+
+    def tally(self, t: torch.Tensor):
+        """The size one element ``t`` holds, where its storage holds such counts, or None."""
+        if not self.tallies or t.numel() != 1:
+            return None
+        got = self._tally_array(t)
+        if got is None:
+            return None
+        vals, at = got
+        with _real():
+            return vals[at.reshape(-1)[0].item()]
+
+
+def _real():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()

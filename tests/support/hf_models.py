@@ -123,10 +123,7 @@ def segformer():
 def qwen2_moe_forced(spread: bool = False):
     """:func:`qwen2_moe_eager` whose routers are forced (:func:`routed_hook`): the real run of
     a routing bound."""
-    model = qwen2_moe_eager()
-    for layer in model.model.layers:
-        layer.mlp.gate.register_forward_hook(routed_hook(spread))
-    return model
+    return _routers_forced(qwen2_moe_eager(), spread)
 
 
 def _logits_forced(model, spread: bool):
@@ -260,3 +257,51 @@ def gemma3_vision_inputs(batch: int = 2, seq: int = 12) -> dict:
     labels = ids.masked_fill(ids == image, -100)   # no loss on the image's tokens
     return {"input_ids": ids, "pixel_values": ("float32", [batch, 3, 28, 28]),
             "labels": labels, "token_type_ids": (ids == image).long()}
+
+
+def _routers_forced(model, spread: bool):
+    """``model`` with every decoder layer's ``mlp.gate`` forced (:func:`routed_hook`)."""
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(routed_hook(spread))
+    return model
+
+
+def qwen3_moe(experts: int = 4):
+    """A small Qwen3-MoE (its experts through ``grouped_mm``, transformers' default), whose
+    configuration publishes an expert-parallel plan."""
+    return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=experts, num_experts_per_tok=2, max_position_embeddings=64, head_dim=8))
+
+
+def qwen3_moe_forced(spread: bool = False, experts: int = 4):
+    """:func:`qwen3_moe` whose routers are forced (:func:`routed_hook`)."""
+    return _routers_forced(qwen3_moe(experts), spread)
+
+
+def qwen3_moe_wide(experts: int = 32):
+    """One Qwen3-30B-A3B-shaped layer (hidden 2048, 32 heads of 128, 4 key-value heads, experts
+    of 768, top-8), ``experts`` of its 128 experts, a small vocabulary."""
+    return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=experts, num_experts_per_tok=8, max_position_embeddings=4096))
+
+
+def qwen3_moe_wide_forced(spread: bool = False):
+    """:func:`qwen3_moe_wide` whose routers are forced (:func:`routed_hook`)."""
+    return _routers_forced(qwen3_moe_wide(), spread)
+
+
+def mixtral_moe():
+    """A small Mixtral (top-2 of 4 experts through ``grouped_mm``)."""
+    return T.MixtralForCausalLM(T.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64))
+
+
+def mixtral_moe_forced(spread: bool = False):
+    """:func:`mixtral_moe` whose routers are forced (:func:`routed_hook`)."""
+    return _routers_forced(mixtral_moe(), spread)

@@ -77,7 +77,7 @@ from torch.utils._pytree import tree_flatten
 from .common import ChangeLog, default_loss, held_tensors
 
 __all__ = [
-    "Plain", "FSDP2", "TP", "DeepSpeed", "RankMemory", "measure", "measure_step",
+    "Plain", "FSDP2", "TP", "DeepSpeed", "HFExperts", "RankMemory", "measure", "measure_step",
     "measure_deepspeed_step",
     "mlp_model", "mlp_inputs", "llama_model", "hf_causal_lm", "hf_model", "image_inputs",
     "llama_inputs", "LLAMA_TP_PLAN",
@@ -238,6 +238,16 @@ class Pipeline:
     fsdp: Any = None   # an FSDP2 of the stages (dp > 1)
     tp: int = 1
     tp_plan: Any = None   # a TP plan (tp > 1): LLAMA_TP_PLAN by default
+
+
+@dataclass
+class HFExperts:
+    """Hugging Face's own layout of a mixture of experts: ``DistributedConfig(ep_size=ep,
+    fsdp_size=world)``, its meshes from ``initialize_distributed_mesh`` and the model laid out
+    by ``maybe_distribute_model`` (the expert-parallel plan, then the FSDP2 plan), on the real
+    weights every rank built alike."""
+
+    ep: int = 2
 
 
 # q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms and LM head stay replicated.
@@ -1116,7 +1126,7 @@ def _rank_main(rank: int, job: _Job):
                     mesh = init_device_mesh("cpu", (job.world_size // (st.dp * st.tp), st.dp,
                                                     st.tp), mesh_dim_names=("pp", "dp", "tp"))
                 # else the stages talk over the default group: no mesh
-            else:
+            elif not isinstance(job.strategy, HFExperts):   # its meshes are the library's
                 mesh = init_device_mesh("cpu", (job.world_size,))
         torch.manual_seed(job.seed)  # same weights and inputs on every rank
         model = job.model_fn()
@@ -1130,6 +1140,13 @@ def _rank_main(rank: int, job: _Job):
             model = DistributedDataParallel(
                 model, bucket_cap_mb=job.strategy.bucket_cap_mb,
                 gradient_as_bucket_view=job.strategy.gradient_as_bucket_view)
+        elif isinstance(job.strategy, HFExperts):
+            from transformers.distributed import DistributedConfig
+            from transformers.distributed.utils import initialize_distributed_mesh
+            config = DistributedConfig(ep_size=job.strategy.ep, fsdp_size=job.world_size,
+                                       tp_size=1)
+            _, meshes = initialize_distributed_mesh(config)
+            model = type(model).maybe_distribute_model(model, config, meshes)
         elif isinstance(job.strategy, FSDP2TP):
             st = job.strategy
             model = _apply_tp(model, mesh["tp"], TP(plan=st.plan))
