@@ -545,8 +545,8 @@ MUTATIONS: list[Mutation] = [
              "a model file raising as it loads shown as memsim's own traceback"),
 
     Mutation("plan-accumulation-shares-a-program", "memsim/plan.py",
-             "        return (self.tp, self.dp, self.checkpoint, self.accumulate > 1)",
-             "        return (self.tp, self.dp, self.checkpoint, False)",
+             "        return (*self.degrees, self.accumulate > 1)",
+             "        return (*self.degrees, False)",
              ("tests/test_plan.py::test_accumulation_is_one_program_and_memory_rises_with_the_micro_batch",),
              "a layout with gradient accumulation answered from the trace without it (the "
              "first micro-step's gradients missing from the second's forward)"),
@@ -813,6 +813,19 @@ MUTATIONS: list[Mutation] = [
              "        if fsdp.dp % self.ep:\n", "        if False:\n",
              ("tests/test_ep.py::test_bad_layouts_are_refused_before_any_trace",),
              "an --ep that does not divide --dp goes on to the trace"),
+    Mutation("ep-even-routing-note-at-max", "memsim/cli.py",
+             'config.replace(data_dependent="balanced")', "config",
+             ("tests/test_ep.py::test_the_command_line_names_the_degree",),
+             "the even routing's figure beside the verdict traced at the worst case again"),
+    # memsim plan: expert parallelism searched, programs in a pool of processes
+    Mutation("plan-ep-not-searched", "memsim/plan.py",
+             "        eps = [1] + [e for e in _divisors(dp)", "        eps = [1] + [e for e in ()",
+             ("tests/test_plan.py::test_a_mixture_of_experts_is_planned_with_expert_parallelism",),
+             "a mixture of experts planned without its expert-parallel layouts"),
+    Mutation("plan-pool-no-second-round", "memsim/plan_run.py",
+             "    for _ in range(2):\n        failed = {}", "    for _ in range(1):\n        failed = {}",
+             ("tests/test_plan.py::test_processes_give_the_plan_this_process_gives",),
+             "the programs a dead process left unanswered are not run again"),
 
 ]
 

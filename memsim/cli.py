@@ -261,11 +261,45 @@ def _execute(args, prep: dict, fit: bool = False):
                 mine, theirs = getattr(budget, f), getattr(other, f)
                 if theirs is not None and (mine is None or theirs < mine):
                     setattr(budget, f, theirs)
+    if "ep" in strategy and point is not None and config.data_dependent.kind == "max":
+        report, shown = _routed_evenly(model, inputs, config, point, kw, report, shown, setup,
+                                       budget, args)
+    if budget is not None:
         if not budget.fits and point is not None and args.cmd == "analyze" \
                 and not getattr(args, "no_options", False):
             budget.options = _fit_options(args, model, inputs, config, strategy, point,
                                           setup, budget, report)
     return report, point, shown, spoint, budget, setup
+
+
+def _routed_evenly(model, inputs, config, point, kw, report, shown, setup, budget, args):
+    """Under expert parallelism the figures are the routing's worst case (``--data-dependent
+    max``: every token to the experts of the first expert rank); the same analysis with the
+    tokens routed evenly (``balanced``) gives the other end, a note on the report (and on the
+    budget, with its total) that says which one the verdict uses."""
+    from dataclasses import replace
+
+    from memsim.analysis import pinning_fixed
+    from memsim.analysis.budget import against
+    from memsim.strategies import analyze as analyze_with
+
+    from .formats import human
+    even = worst_rank(pinning_fixed(analyze_with, model, inputs,
+                                    config.replace(data_dependent="balanced"), point, **kw),
+                      point)
+    peak = figures_at(even, point)["peak"]
+    text = (f"expert parallelism: these figures and the verdict are the routing's worst case "
+            f"(--data-dependent max: every token to the same experts, all on the first expert "
+            f"rank); routed evenly (--data-dependent balanced) the largest rank peak here is "
+            f"{human(peak)}")
+    if budget is not None:
+        device, cap, overheads = setup
+        b = against(even, point, gpu=device, capacity=cap, margin=args.margin,
+                    overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
+        text += f", total {human(b.total)}: {'fits' if b.fits else 'does not fit'}"
+        budget.notes = [*budget.notes, text]
+    return (replace(report, notes=(*report.notes, text)),
+            replace(shown, notes=(*shown.notes, text)))
 
 
 def _fit_options(args, model, inputs, config, strategy, point, setup, budget, report):
@@ -301,7 +335,7 @@ def _plan(args) -> int:
     """``memsim plan``: every layout checked before any trace, then one analysis per program
     (memsim.plan)."""
     from .plan import check_rank_by, check_world, layouts, parse_fix, plan, programs_of
-    from .plan_run import Job, _model, connect, locally, on_ray
+    from .plan_run import Job, _model, connect, in_processes, locally, on_ray, workers_for
     from .render_plan import plan_json, plan_text
     check_world(args.gpus, args.gpus_per_node)   # (layouts() checks it too, after the inputs)
     check_rank_by(args.rank_by)
@@ -338,19 +372,34 @@ def _plan(args) -> int:
                          hint="pin a degree with --fix tp=8 or --fix dp=4; drop --fsdp/--tp/...")
     candidates, rejected = layouts(args.gpus, args.gpus_per_node, args.global_batch, fixed)
     config = StepConfig(**step)
+    if args.cluster and args.workers is not None:
+        raise UsageError("--workers and --cluster both say where the traces run",
+                         hint="give one: --cluster ADDRESS (Ray) or --workers N (this machine)")
+    workers_for(args.workers, 1)   # a bad --workers, before any trace
     if args.cluster:
         connect(args.cluster)   # before any trace: a cluster that does not answer is an error
     job = Job(args.target, args.hf_class, tuple(input_options(args)), config, setup,
               args.margin, tuple(point.items()), batch, seq, os.getcwd())
     # the model's own limits (a Hugging Face model's positions), before the first trace
-    _within_limits(_model(job), {s.name: s for s in specs}, config, {**point, batch: 1})
+    model = _model(job)
+    _within_limits(model, {s.name: s for s in specs}, config, {**point, batch: 1})
+    experts = _experts(model)
+    if experts or fixed.get("ep", 1) > 1:   # a mixture of experts: its expert-parallel layouts
+        candidates, rejected = layouts(args.gpus, args.gpus_per_node, args.global_batch,
+                                       fixed, experts)
     programs = programs_of(candidates)
 
     def said(lays):
         if _SHOWN is not None:
             _SHOWN.what = f"layout {lays[0].program_flags()}"
 
-    answers = on_ray(job, programs) if args.cluster else locally(job, programs, said)
+    workers = workers_for(args.workers, len(programs))
+    if args.cluster:
+        answers = on_ray(job, programs)
+    elif workers > 1:
+        answers = in_processes(job, programs, workers, _answered(len(programs), workers, args))
+    else:
+        answers = locally(job, programs, said)
     device, cap, _ = setup
     capacity = device.bytes if cap is None else cap
     usable = int(capacity * (1 - args.margin))
@@ -369,6 +418,26 @@ def _plan(args) -> int:
     else:
         print(text)
     return 0 if result.fitting else 1
+
+
+def _experts(model) -> list[int]:
+    """The expert counts of a mixture of experts with Hugging Face's expert-parallel plan (none
+    for any other model)."""
+    from memsim.strategies.ep import expert_counts
+    return list(expert_counts(model).values())
+
+
+def _answered(n: int, workers: int, args):
+    """A line on stderr as each of the ``n`` programs traced in ``workers`` processes is
+    answered (nothing under --quiet or --json)."""
+    import time
+    start = time.monotonic()
+
+    def done(k, lays):
+        if not (args.quiet or args.json):
+            print(f"memsim: program {k} of {n} answered ({lays[0].program_flags()}), "
+                  f"{time.monotonic() - start:.0f} s, {workers} processes", file=sys.stderr)
+    return done
 
 
 def figures_at(report, point: dict) -> dict:

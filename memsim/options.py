@@ -172,13 +172,16 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--seq", type=int, metavar="S",
                    help="the sequence length (the --seq-symbol's size)")
     n.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
-                   help="pin a field of every layout: tp, dp, checkpoint (none, blocks), "
-                        "micro_batch (repeatable), e.g. --fix tp=8")
+                   help="pin a field of every layout: tp, dp, ep (a mixture of experts), "
+                        "checkpoint (none, blocks), micro_batch (repeatable), e.g. --fix tp=8")
     n.add_argument("--cluster", metavar="ADDRESS",
                    help="trace the layouts' programs as tasks of the Ray cluster at ADDRESS "
                         "(host:port of 'ray start --head'), or 'local' for a Ray cluster of "
                         "this machine's processes (pip install 'memsim[cluster]'); default: "
-                        "in this process")
+                        "processes of this machine (--workers)")
+    n.add_argument("--workers", type=int, metavar="N",
+                   help="trace the programs in N processes of this machine (default: one per "
+                        "core; 1: in this process)")
     n.add_argument("--top", type=int, default=10,
                    help="layouts that fit to list (default 10; --json has them all)")
     n.add_argument("--html", metavar="FILE",

@@ -1,8 +1,9 @@
 """``memsim plan``: which layouts fit a model on a cluster, each answered from traced figures.
 
 A layout is a tensor-parallel degree ``tp`` (within a node), the data-parallel degree
-``dp = world / tp`` sharded with FSDP2 (``--fsdp --dp dp``; no sharding where ``dp`` is 1), an
-activation-checkpointing plan (none or every repeated block), and the micro-batch ``mb`` with
+``dp = world / tp`` sharded with FSDP2 (``--fsdp --dp dp``; no sharding where ``dp`` is 1), for
+a mixture of experts without tensor parallelism an expert-parallel degree ``ep`` dividing
+``dp`` (``--ep``; 1: none), an activation-checkpointing plan (none or every repeated block), and the micro-batch ``mb`` with
 the gradient accumulation ``k`` that reach the global batch: ``mb * k * dp = global batch``.
 
 Exact and cheap: a layout's figures are those ``memsim analyze`` gives for its options at
@@ -19,8 +20,9 @@ accumulation steps (the largest micro-batch), then the largest headroom. Layouts
 are grouped by reason: the model states alone exceed the usable memory; they fit, but not the
 activations at the smallest micro-batch; a degree the model or the batch does not divide.
 
-The programs are traced in this process, or as tasks of a Ray cluster (memsim.plan_run).
-Pipeline, context and expert parallelism, ZeRO, offload and HSDP are not searched yet.
+The programs are traced in a pool of this machine's processes, in this process, or as tasks of a
+Ray cluster (memsim.plan_run).
+Pipeline and context parallelism, ZeRO, offload and HSDP are not searched yet.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ __all__ = ["Layout", "Planned", "PlanResult", "layouts", "programs_of", "plan", 
 
 CHECKPOINTS = ("none", "blocks")
 # --fix KEY=VALUE: what a layout may pin
-FIXABLE = ("tp", "dp", "checkpoint", "micro_batch")
+FIXABLE = ("tp", "dp", "ep", "checkpoint", "micro_batch")
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,19 @@ class Layout:
     checkpoint: str          # "none" or "blocks"
     micro_batch: int
     accumulate: int
+    ep: int = 1              # expert-parallel ranks (a mixture of experts, beside FSDP2)
+
+    @property
+    def degrees(self) -> tuple:
+        """The degrees and checkpointing: the layouts that differ only in the micro-batch and
+        the accumulation share them."""
+        return (self.tp, self.dp, self.ep, self.checkpoint)
 
     @property
     def program(self) -> tuple:
         """What one trace answers: every micro-batch of the same degrees and checkpointing, and
         accumulation 1 or more."""
-        return (self.tp, self.dp, self.checkpoint, self.accumulate > 1)
+        return (*self.degrees, self.accumulate > 1)
 
     def flags(self) -> str:
         """The ``memsim analyze`` options of this layout (the micro-batch is ``--at B=``)."""
@@ -60,6 +69,8 @@ class Layout:
             out.append(f"--tp {self.tp}")
         if self.dp > 1:
             out.append(f"--fsdp --dp {self.dp}")
+        if self.ep > 1:
+            out.append(f"--ep {self.ep}")
         if self.checkpoint != "none":
             out.append(f"--checkpoint {self.checkpoint}")
         if self.accumulate > 1:
@@ -72,7 +83,8 @@ class Layout:
             " with accumulation" if self.accumulate > 1 else "")
 
     def as_dict(self) -> dict:
-        return {"tp": self.tp, "dp": self.dp, "fsdp": self.dp > 1, "checkpoint": self.checkpoint,
+        return {"tp": self.tp, "dp": self.dp, "fsdp": self.dp > 1, "ep": self.ep,
+                "checkpoint": self.checkpoint,
                 "micro_batch": self.micro_batch, "accumulate": self.accumulate,
                 "options": self.flags()}
 
@@ -135,14 +147,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(world: int, per_node: int, global_batch: int,
-            fixed: dict | None = None) -> tuple[list[Layout], list[Planned]]:
+def layouts(world: int, per_node: int, global_batch: int, fixed: dict | None = None,
+            experts: list[int] | None = None) -> tuple[list[Layout], list[Planned]]:
     """Every layout of ``world`` ranks reaching ``global_batch``, with ``fixed`` (``--fix``)
     pinning some of its fields; and the combinations of degrees that cannot reach the global
-    batch (``dp`` not dividing it), as rows that do not fit. A typed error where no layout is
-    left, naming the option."""
+    batch (``dp`` not dividing it), as rows that do not fit. ``experts``: the expert counts of
+    a mixture of experts' experts modules (memsim.strategies.ep.expert_counts), whose layouts
+    without tensor parallelism also shard the experts over every ``ep`` dividing ``dp`` and
+    every count. A typed error where no layout is left, naming the option."""
     fixed = dict(fixed or {})
     check_world(world, per_node)
+    if fixed.get("ep", 1) > 1 and not experts:
+        raise UsageError(f"--fix ep={fixed['ep']}: the model has no experts to shard",
+                         hint="expert parallelism is for a mixture of experts with Hugging "
+                              "Face's expert-parallel plan; drop --fix ep")
     if global_batch < 1:
         raise UsageError(f"--global-batch {global_batch} must be at least 1")
     tps = [t for t in _divisors(min(per_node, world)) if world % t == 0]
@@ -154,25 +172,31 @@ def layouts(world: int, per_node: int, global_batch: int,
         dp = world // tp
         if "dp" in fixed and dp != fixed["dp"]:
             continue
-        for ck in CHECKPOINTS:
-            if "checkpoint" in fixed and ck != fixed["checkpoint"]:
+        eps = [1] + [e for e in _divisors(dp) if e > 1 and tp == 1 and experts
+                     and all(n % e == 0 for n in experts)]
+        for ep in eps:
+            if "ep" in fixed and ep != fixed["ep"]:
                 continue
-            if global_batch % dp:
-                rejected.append(Planned(Layout(tp, dp, ck, 0, 0), reason=(
-                    f"the global batch {global_batch} does not divide by dp={dp}")))
-                continue
-            per_rank = global_batch // dp
-            for mb in _divisors(per_rank):
-                if "micro_batch" in fixed and mb != fixed["micro_batch"]:
+            for ck in CHECKPOINTS:
+                if "checkpoint" in fixed and ck != fixed["checkpoint"]:
                     continue
-                out.append(Layout(tp, dp, ck, mb, per_rank // mb))
+                if global_batch % dp:
+                    rejected.append(Planned(Layout(tp, dp, ck, 0, 0, ep), reason=(
+                        f"the global batch {global_batch} does not divide by dp={dp}")))
+                    continue
+                per_rank = global_batch // dp
+                for mb in _divisors(per_rank):
+                    if "micro_batch" in fixed and mb != fixed["micro_batch"]:
+                        continue
+                    out.append(Layout(tp, dp, ck, mb, per_rank // mb, ep))
     if not out:
         pinned = ", ".join(f"{k}={v}" for k, v in fixed.items())
         raise UsageError(
             f"no layout of {world} GPUs ({per_node} per node) reaches global batch "
             f"{global_batch}" + (f" with {pinned}" if pinned else ""),
             hint="the data-parallel degree (GPUs / tp) must divide --global-batch; tp divides "
-                 "--gpus-per-node" + ("; check --fix" if pinned else ""))
+                 "--gpus-per-node; ep divides dp and the experts, without tp"
+                 + ("; check --fix" if pinned else ""))
     return out, rejected
 
 
@@ -235,7 +259,7 @@ def _reasons(rows: list[Planned], usable: int) -> None:
     groups: dict[tuple, list[Planned]] = {}
     for r in rows:
         if r.reason is None:
-            groups.setdefault(r.layout.program[:3], []).append(r)
+            groups.setdefault(r.layout.degrees, []).append(r)
     for same in groups.values():
         fitting = [(r.layout.micro_batch, r.layout.accumulate) for r in same if r.fits]
         least = min(r.layout.micro_batch for r in same)

@@ -1,10 +1,12 @@
-"""Where ``memsim plan``'s programs are traced: in this process, or as tasks of a Ray cluster.
+"""Where ``memsim plan``'s programs are traced: in processes of this machine, in this process,
+or as tasks of a Ray cluster.
 
 A :class:`Job` is everything a program's analysis needs, as plain data (the target's name, not
 the model): a worker loads the model itself, traces the program once and answers each of its
-layouts (:func:`answer`). The same function runs in this process (the default) and as a Ray
-task (``--cluster ADDRESS``, or ``--cluster local`` for a Ray cluster of this machine's
-processes), so a plan is the same wherever it ran.
+layouts (:func:`answer`). The same function runs in this process (``--workers 1``), in a pool
+of this machine's processes (the default: Python's ``concurrent.futures``, one process per
+core, :func:`in_processes`) and as a Ray task (``--cluster ADDRESS``, or ``--cluster local``
+for a Ray cluster of this machine's processes), so a plan is the same wherever it ran.
 
 Ray, not a scheduler of our own: it places the tasks, retries one whose worker process died
 (``max_retries``), and its local cluster is the same program as a real one. Dask's
@@ -26,7 +28,7 @@ from memsim.tracer import InputError, MemsimError, UsageError
 
 from .plan import Layout, Planned
 
-__all__ = ["Job", "answer", "locally", "on_ray", "connect"]
+__all__ = ["Job", "answer", "locally", "in_processes", "workers_for", "on_ray", "connect"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def answer(job: Job, lays: list[Layout]) -> tuple[list[Planned], int]:
 
 def _analysis(job: Job, lays: list[Layout]):
     from memsim.analysis import fix_inputs, pinning_fixed
-    from memsim.strategies import FSDP, TensorParallel
+    from memsim.strategies import FSDP, ExpertParallel, TensorParallel
     from memsim.strategies import analyze as analyze_with
     from memsim.tracer import parse_input
 
@@ -102,6 +104,8 @@ def _analysis(job: Job, lays: list[Layout]):
         kw["tp"] = TensorParallel(lay.tp)
     if lay.dp > 1:
         kw["fsdp"] = FSDP(dp=lay.dp)
+    if lay.ep > 1:
+        kw["ep"] = ExpertParallel(lay.ep)
     if lay.checkpoint != "none":
         kw["checkpoint"] = lay.checkpoint
     cfg = job.config.replace(accumulate=2 if lay.accumulate > 1 else 1)
@@ -142,6 +146,66 @@ def locally(job: Job, programs: list[list[Layout]],
         if said is not None:
             said(lays)
         yield answer(job, lays)
+
+
+def workers_for(given: int | None, programs: int) -> int:
+    """The processes a plan's programs are traced in: ``given`` (``--workers``), else one per
+    core of this machine, never more than the programs."""
+    if given is not None and given < 1:
+        raise UsageError(f"--workers {given}: at least 1", hint="--workers 1 traces in this "
+                         "process; leave it out for one process per core")
+    n = given if given is not None else (len(os.sched_getaffinity(0))
+                                         if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    return max(1, min(n or 1, programs))
+
+
+def in_processes(job: Job, programs: list[list[Layout]], workers: int,
+                 done=None) -> list[tuple[list[Planned], int]]:
+    """Each program answered in one of ``workers`` fresh processes of this machine (a
+    ``ProcessPoolExecutor``, spawned), their answers in the programs' order; ``done(k,
+    layouts)`` as the k-th answer comes. A process that dies takes the pool with it: the
+    programs it left unanswered run once more in a new pool, and a program that fails twice
+    makes its layouts' rows say why."""
+    import concurrent.futures as cf
+    import multiprocessing
+    out: list = [None] * len(programs)
+    left, failed, k = list(range(len(programs))), {}, 0
+    for _ in range(2):
+        failed = {}
+        with cf.ProcessPoolExecutor(max_workers=min(workers, len(left)),
+                                    initializer=_quiet_worker,
+                                    mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(answer, job, programs[i]): i for i in left}
+            for f in cf.as_completed(futures):
+                i = futures[f]
+                try:
+                    out[i] = f.result()
+                except Exception as e:   # the process died, or the answer did not come back
+                    failed[i] = e
+                    continue
+                k += 1
+                if done is not None:
+                    done(k, programs[i])
+        left = sorted(failed)
+        if not left:
+            break
+    for i in left:
+        e = failed[i]
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        out[i] = ([Planned(lay, reason=f"not answered: its process failed twice "
+                                       f"({type(e).__name__}: {why})")
+                   for lay in programs[i]], 0)
+    return out
+
+
+def _quiet_worker() -> None:
+    """A worker process says nothing on stdout (where --json's document goes) and keeps other
+    libraries' warnings to itself (the command shows the in-process run's)."""
+    import logging
+    import warnings
+    sys.stdout = sys.stderr
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
 
 
 def connect(address: str) -> None:

@@ -16,10 +16,11 @@ LM = ["--input", "input_ids=int64[B,S]", "--input", "labels=int64[B,S]"]
 PLAN = ["plan", "tests.support.oracles.dist:llama_model", *LM, "--device", "cpu", "--gpus", "2",
         "--gpus-per-node", "2", "--global-batch", "4", "--seq", "16", "--margin", "0",
         "--json", "--quiet"]
+HERE = ["--workers", "1"]   # traced in this process (the default is a process per core)
 
 
-def _plan(capsys, *extra) -> dict:
-    main(PLAN + list(extra))
+def _plan(capsys, *extra, where=HERE) -> dict:
+    main(PLAN + list(where) + list(extra))
     return json.loads(capsys.readouterr().out)
 
 
@@ -74,13 +75,15 @@ def test_errors_come_before_any_trace(capsys, monkeypatch):
             (["--gpus", "12", "--gpus-per-node", "8"], "not a whole number of nodes of 8"),
             (["--global-batch", "3", "--fix", "tp=1"], "reaches global batch 3"),
             (["--fsdp", "--dp", "2"], "chooses the strategies itself"),
-            (["--fix", "pp=2"], "KEY one of tp, dp, checkpoint, micro_batch"),
+            (["--fix", "pp=2"], "KEY one of tp, dp, ep, checkpoint, micro_batch"),
             (["--fix", "checkpoint=all"], "searches none and blocks"),
             (["--rank-by", "speed"], "is not a rule"),
             (["--gpu", "h1000"], "h1000"),
             (["--at", "B=2"], "chooses the micro-batch"),
             (["--cluster", "nowhere"], "is not host:port or local"),
-            (["--cluster", "127.0.0.1:1"], "no Ray cluster answers there")):
+            (["--cluster", "127.0.0.1:1"], "no Ray cluster answers there"),
+            (["--workers", "0"], "--workers 0: at least 1"),
+            (["--workers", "2", "--cluster", "local"], "both say where the traces run")):
         argv = [a for a in PLAN if a != "--json"] + extra
         if "--gpu" not in extra:
             argv += ["--memory", "1GiB"]
@@ -152,7 +155,7 @@ def test_layouts_the_plan_keeps_and_rejects_equal_real_gloo_runs(capsys):
 def test_plan_text_names_the_best_layout_and_the_reasons(capsys):
     """The text: the title with the cluster and the usable memory, the layouts that fit best
     first with the rule, the command of the best, and the others grouped by reason."""
-    assert main([a for a in PLAN if a not in ("--json",)] +
+    assert main([a for a in PLAN if a not in ("--json",)] + HERE +
                 ["--memory", "1GiB", "--fix", "tp=1", "--fix", "checkpoint=none"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("memsim plan: tests.support.oracles.dist:llama_model on 2 GPUs (1 "
@@ -160,7 +163,7 @@ def test_plan_text_names_the_best_layout_and_the_reasons(capsys):
     assert "Layouts that fit, best first (least recomputation" in out
     assert "best: memsim analyze tests.support.oracles.dist:llama_model ... --at B=2,S=16 " \
            "--fsdp --dp 2" in out
-    assert main([a for a in PLAN if a not in ("--json",)] +
+    assert main([a for a in PLAN if a not in ("--json",)] + HERE +
                 ["--memory", "100KiB", "--fix", "tp=1", "--fix", "checkpoint=none",
                  "--fix", "micro_batch=2"]) == 1
     out = capsys.readouterr().out
@@ -172,7 +175,7 @@ def test_the_html_page_answers_first(capsys, tmp_path):
     """``--html``: one self-contained page, the answer first (how many fit, the best), the
     layouts' totals against the GPU as an inline SVG, the table and the reasons."""
     page = tmp_path / "plan.html"
-    assert main([a for a in PLAN if a != "--json"] + ["--memory", "1GiB", "--fix", "tp=1",
+    assert main([a for a in PLAN if a != "--json"] + HERE + ["--memory", "1GiB", "--fix", "tp=1",
                                                       "--fix", "checkpoint=none",
                                                       "--fix", "micro_batch=2",
                                                       "--html", str(page)]) == 0
@@ -201,3 +204,47 @@ def test_accumulation_is_one_program_and_memory_rises_with_the_micro_batch(capsy
     assert set(rows) == {(1, 4), (2, 2), (4, 1)}
     assert rows[(1, 4)] < rows[(2, 2)]
     assert doc["plan"]["traces"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_processes_give_the_plan_this_process_gives(capsys, monkeypatch, tmp_path):
+    """The default: the programs traced in a pool of this machine's processes, the same plan
+    as in this process, the traces counted in the workers; a process that dies mid-task
+    takes the pool with it, and its programs run again in a new pool: no layout is lost."""
+    args = ("--memory", "1GiB", "--fix", "checkpoint=none")
+    here = _plan(capsys, *args)
+    rows = sorted(tuple(sorted(r.items())) for r in here["layouts"])
+    there = _plan(capsys, *args, where=["--workers", "2"])
+    assert sorted(tuple(sorted(r.items())) for r in there["layouts"]) == rows
+    assert there["plan"]["traces"] == here["plan"]["traces"] > 1
+    died = tmp_path / "died"
+    monkeypatch.setenv("MEMSIM_PLAN_TEST_CRASH", str(died))
+    again = _plan(capsys, *args, where=["--workers", "2"])
+    assert died.exists()    # a worker process did die in a task
+    assert sorted(tuple(sorted(r.items())) for r in again["layouts"]) == rows
+
+
+@pytest.mark.heavy
+def test_a_mixture_of_experts_is_planned_with_expert_parallelism(capsys):
+    """A Qwen3-MoE over 2 ranks: FSDP2 alone and FSDP2 with the experts over EP 2 (its
+    expert-parallel plan), each as ``analyze`` answers it; ``--fix ep`` for a model without
+    experts is an error before any trace."""
+    pytest.importorskip("transformers")
+    moe = ["tests.support.hf_models:qwen3_moe" if a == "tests.support.oracles.dist:llama_model"
+           else a for a in PLAN]
+    main(moe + HERE + ["--memory", "1GiB", "--fix", "tp=1", "--fix", "checkpoint=none",
+                       "--fix", "micro_batch=2"])
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["ep"]: r for r in doc["layouts"]}
+    # one trace for FSDP2 alone, one per expert rank under EP (the first receives the most)
+    assert set(rows) == {1, 2} and doc["plan"]["traces"] == 1 + 2
+    assert rows[2]["options"] == "--fsdp --dp 2 --ep 2"
+    main(["analyze", "tests.support.hf_models:qwen3_moe", *LM, "--device", "cpu",
+          "--at", "B=2,S=16", "--fsdp", "--dp", "2", "--ep", "2", "--memory", "1GiB",
+          "--margin", "0", "--train", "--json", "--quiet"])
+    got = json.loads(capsys.readouterr().out)
+    assert rows[2]["total"] == got["verdict"]["total"]
+    assert rows[2]["peak"] == got["train"]["peak"]["bytes"]
+    assert main(PLAN + HERE + ["--memory", "1GiB", "--fix", "ep=2"]) == 2
+    assert "the model has no experts to shard" in capsys.readouterr().err
