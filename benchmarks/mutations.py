@@ -817,6 +817,12 @@ MUTATIONS: list[Mutation] = [
              'config.replace(data_dependent="balanced")', "config",
              ("tests/test_ep.py::test_the_command_line_names_the_degree",),
              "the even routing's figure beside the verdict traced at the worst case again"),
+    Mutation("ep-even-routing-note-twice", "memsim/cli.py",
+             "        budget.notes = [*budget.notes, text]   # said with the verdict, not again above it\n"
+             "        return report, shown\n",
+             "        budget.notes = [*budget.notes, text]   # said with the verdict, not again above it\n",
+             ("tests/test_ep.py::test_the_command_line_names_the_degree",),
+             "the even routing's figure said twice, above the verdict and with it"),
     # memsim plan: expert parallelism searched, programs in a pool of processes
     Mutation("plan-ep-not-searched", "memsim/plan.py",
              "        eps = [1] + [e for e in _divisors(dp)", "        eps = [1] + [e for e in ()",

@@ -275,8 +275,8 @@ def _execute(args, prep: dict, fit: bool = False):
 def _routed_evenly(model, inputs, config, point, kw, report, shown, setup, budget, args):
     """Under expert parallelism the figures are the routing's worst case (``--data-dependent
     max``: every token to the experts of the first expert rank); the same analysis with the
-    tokens routed evenly (``balanced``) gives the other end, a note on the report (and on the
-    budget, with its total) that says which one the verdict uses."""
+    tokens routed evenly (``balanced``) gives the other end: a note that says which one the
+    verdict uses, on the budget with its total where there is one, else on the report."""
     from dataclasses import replace
 
     from memsim.analysis import pinning_fixed
@@ -297,7 +297,8 @@ def _routed_evenly(model, inputs, config, point, kw, report, shown, setup, budge
         b = against(even, point, gpu=device, capacity=cap, margin=args.margin,
                     overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
         text += f", total {human(b.total)}: {'fits' if b.fits else 'does not fit'}"
-        budget.notes = [*budget.notes, text]
+        budget.notes = [*budget.notes, text]   # said with the verdict, not again above it
+        return report, shown
     return (replace(report, notes=(*report.notes, text)),
             replace(shown, notes=(*shown.notes, text)))
 

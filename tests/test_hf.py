@@ -437,6 +437,7 @@ def mamba2():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy   # 35 s on 2 cores: in .ci/run's heavy step, out of the default run's budget
 def test_mamba2_scan_over_one_chunk_matches_real_run():
     """transformers' Mamba-2 scan without its CUDA kernels (``torch_forward``: Mamba2, Bamba,
     FalconH1, Zamba2) pads S to whole chunks with F.pad on a transposed tensor. ATen makes
