@@ -128,3 +128,13 @@ def test_the_command_line_names_the_degree(tmp_path, capsys):
         n.startswith("expert parallelism") for n in doc.get("notes", ()))
     assert main(["analyze", f"hf:{tmp_path}", "--input", "input_ids=int64[B,S]",
                  "--at", "B=2,S=8", "--ep", "1", "--fsdp", "--dp", "2"]) == 2
+
+
+@pytest.mark.wide
+def test_a_realistic_width_equals_a_real_gloo_run():
+    """One Qwen3-30B-A3B-shaped layer (32 of its experts, top-8) over EP 2 x FSDP2 2, at
+    B=2, S=64 under ``max``: rank 0 receives 2 x 8 x 128 rows."""
+    report = analyze(_meta(hf.qwen3_moe_wide), LM, device="cpu", fsdp=FSDP(dp=2),
+                     ep=ExpertParallel(2), inference=False)
+    _equals_real_run(report, functools.partial(hf.qwen3_moe_wide_forced, False), 2, 64,
+                     vocab=256)
