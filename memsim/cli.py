@@ -247,16 +247,12 @@ def _execute(args, prep: dict, fit: bool = False):
         shown, spoint = (report.view() if hasattr(report, "view") else report), None
     budget = None
     if setup is not None:
-        from memsim.analysis.budget import against
-        device, cap, overheads = setup
-        budget = against(report, point, gpu=device, capacity=cap, margin=args.margin,
-                      overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
+        budget = _budget(args, setup, report, point)
         # the largest sizes that fit are every rank's: the least over the ranks
         for rc in getattr(report, "ranks", ()):
             if rc.report.rank == report.rank:
                 continue
-            other = against(rc.report, point, gpu=device, capacity=cap, margin=args.margin,
-                            overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
+            other = _budget(args, setup, rc.report, point)
             for f in ("max_batch", "max_seq"):
                 mine, theirs = getattr(budget, f), getattr(other, f)
                 if theirs is not None and (mine is None or theirs < mine):
@@ -272,6 +268,14 @@ def _execute(args, prep: dict, fit: bool = False):
     return report, point, shown, spoint, budget, setup
 
 
+def _budget(args, setup, report, point):
+    """``report``'s budget at ``point`` against the GPU the options give (``setup``)."""
+    from memsim.analysis.budget import against
+    device, cap, overheads = setup
+    return against(report, point, gpu=device, capacity=cap, margin=args.margin,
+                   overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
+
+
 def _routed_evenly(model, inputs, config, point, kw, report, shown, setup, budget, args):
     """Under expert parallelism the figures are the routing's worst case (``--data-dependent
     max``: every token to the experts of the first expert rank); the same analysis with the
@@ -280,7 +284,6 @@ def _routed_evenly(model, inputs, config, point, kw, report, shown, setup, budge
     from dataclasses import replace
 
     from memsim.analysis import pinning_fixed
-    from memsim.analysis.budget import against
     from memsim.strategies import analyze as analyze_with
 
     from .formats import human
@@ -293,9 +296,7 @@ def _routed_evenly(model, inputs, config, point, kw, report, shown, setup, budge
             f"rank); routed evenly (--data-dependent balanced) the largest rank peak here is "
             f"{human(peak)}")
     if budget is not None:
-        device, cap, overheads = setup
-        b = against(even, point, gpu=device, capacity=cap, margin=args.margin,
-                    overheads=overheads, batch=args.batch_symbol, seq=args.seq_symbol)
+        b = _budget(args, setup, even, point)
         text += f", total {human(b.total)}: {'fits' if b.fits else 'does not fit'}"
         budget.notes = [*budget.notes, text]   # said with the verdict, not again above it
         return report, shown
@@ -384,7 +385,8 @@ def _plan(args) -> int:
     # the model's own limits (a Hugging Face model's positions), before the first trace
     model = _model(job)
     _within_limits(model, {s.name: s for s in specs}, config, {**point, batch: 1})
-    experts = _experts(model)
+    from memsim.strategies.ep import expert_counts
+    experts = list(expert_counts(model).values())
     if experts or fixed.get("ep", 1) > 1:   # a mixture of experts: its expert-parallel layouts
         candidates, rejected = layouts(args.gpus, args.gpus_per_node, args.global_batch,
                                        fixed, experts)
@@ -419,13 +421,6 @@ def _plan(args) -> int:
     else:
         print(text)
     return 0 if result.fitting else 1
-
-
-def _experts(model) -> list[int]:
-    """The expert counts of a mixture of experts with Hugging Face's expert-parallel plan (none
-    for any other model)."""
-    from memsim.strategies.ep import expert_counts
-    return list(expert_counts(model).values())
 
 
 def _answered(n: int, workers: int, args):

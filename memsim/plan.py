@@ -3,8 +3,9 @@
 A layout is a tensor-parallel degree ``tp`` (within a node), the data-parallel degree
 ``dp = world / tp`` sharded with FSDP2 (``--fsdp --dp dp``; no sharding where ``dp`` is 1), for
 a mixture of experts without tensor parallelism an expert-parallel degree ``ep`` dividing
-``dp`` (``--ep``; 1: none), an activation-checkpointing plan (none or every repeated block), and the micro-batch ``mb`` with
-the gradient accumulation ``k`` that reach the global batch: ``mb * k * dp = global batch``.
+``dp`` (``--ep``; 1: none), an activation-checkpointing plan (none or every repeated block),
+and the micro-batch ``mb`` with the gradient accumulation ``k`` that reach the global batch:
+``mb * k * dp = global batch``.
 
 Exact and cheap: a layout's figures are those ``memsim analyze`` gives for its options at
 ``B=mb`` and the sequence asked for, on the rank with the largest peak. One trace answers every

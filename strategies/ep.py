@@ -30,6 +30,7 @@ import torch
 from memsim.tracer import StrategyError, UsageError
 
 from .base import Ranks, Strategy, register_strategy
+from .mesh import _WORLD, _chunk, process_group, ranks_text
 
 __all__ = ["ExpertParallel", "expert_counts"]
 
@@ -118,14 +119,9 @@ class ExpertParallel(Strategy):
                    "rank routing as the one traced: under max, every token to the same experts, "
                    "all on the first expert rank (the most one rank can receive); ranks "
                    f"grouped by expert rank and shard sizes: "
-                   f"{'; '.join(_ranks_text(c) for c in info.classes)}")
+                   f"{'; '.join(ranks_text(c) for c in info.classes)}")
         return plan.but(inside={"sharding": inside}, ranks=Ranks(world=world, classes=classes),
                         notes=(note,))
-
-
-def _ranks_text(c) -> str:
-    from .mesh import ranks_text
-    return ranks_text(c)
 
 
 def _divisors(n: int) -> list[int]:
@@ -134,27 +130,21 @@ def _divisors(n: int) -> list[int]:
 
 def expert_counts(model: torch.nn.Module) -> dict[str, int]:
     """``{module path: experts}`` of the experts modules the model's expert-parallel plan
-    dispatches to (``ep_dispatch_experts``)."""
+    dispatches to (``ep_dispatch_experts``), each module's name looked up in the plan as
+    Hugging Face looks it up when it applies the plan (its layer numbers as ``*``)."""
     plan = _ep_plan(model)
-    import fnmatch
-    out = {}
-    for name, m in model.named_modules():
-        wild = ".".join("*" if p.isdigit() else p for p in name.split("."))
-        for pat, style in plan.items():
-            if style == "ep_dispatch_experts" and (fnmatch.fnmatchcase(name, pat)
-                                                   or wild.endswith(pat) or name.endswith(pat)):
-                n = getattr(m, "num_experts", None)
-                if isinstance(n, int):
-                    out[name] = n
-                break
-    return out
+    if not plan:
+        return {}
+    from transformers.distributed.parallel_utils import _get_parameter_plan
+    return {name: m.num_experts for name, m in model.named_modules()
+            if _get_parameter_plan(name, plan, is_weight=False) == "ep_dispatch_experts"
+            and isinstance(getattr(m, "num_experts", None), int)}
 
 
 def _ep_plan(model: torch.nn.Module) -> dict:
-    plan = getattr(model, "ep_plan", None)
-    if plan is None:
-        plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
-    return dict(plan or {})
+    """The model's expert-parallel plan: a Hugging Face model's ``ep_plan`` (its config's
+    ``base_model_ep_plan`` under the base model's prefix), none for any other model."""
+    return dict(getattr(model, "ep_plan", None) or {})
 
 
 def _check_model(model: torch.nn.Module, ep: int) -> None:
@@ -184,7 +174,6 @@ def _classes(model: torch.nn.Module, ep: int, dp: int) -> list[tuple[int, ...]]:
     routing bound sends the first expert rank the most tokens) and the size of each shard
     (FSDP2's ``torch.chunk`` rows over the ``dp`` ranks for the dense parameters, over the
     ``dp / ep`` copies for the experts' local ones)."""
-    from .mesh import _chunk
     experts = tuple(expert_counts(model))
     shapes = []
     for name, p in model.named_parameters():
@@ -207,8 +196,6 @@ def _distribute(model: torch.nn.Module, ep: int, dp: int, rank: int) -> None:
 
     from memsim.tracer.recorder import real_meshes
 
-    from .mesh import process_group
-
     config = DistributedConfig(ep_size=ep, fsdp_size=dp, tp_size=1)
     process_group(dp, rank)
     meshes = _meshes(dp, ep)
@@ -221,8 +208,6 @@ def _meshes(dp: int, ep: int):
     from transformers.distributed.utils import TransformersDeviceMesh
 
     from memsim.tracer.recorder import outside_fake
-
-    from .mesh import _WORLD
 
     key = ("ep", dp, ep)
     got = _WORLD["meshes"].get(key)

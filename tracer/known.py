@@ -224,12 +224,17 @@ class _Known(Contents, Counts, Routes, Tallies):
 
     def value(self, t):
         """:meth:`exact`, or the size a 0-dim tensor holds, or the count every element of a
-        storage of counts is taken to hold (SymInts: read, never compared here, which would
-        add a guard)."""
+        storage of counts is taken to hold, or one element of expert parallelism's tokens per
+        expert (:meth:`tally`) (SymInts: read, never compared here, which would add a
+        guard)."""
         if isinstance(t, torch.Tensor) and (self.sizes or self.exactly):
             size = self.sizes.get(t.untyped_storage())
             if size is None and self.exactly and type(t.numel()) is int and t.numel() == 1:
                 size = self.exactly.get(t.untyped_storage())
+            if size is not None:
+                return size
+        if isinstance(t, torch.Tensor) and self.tallies:
+            size = self.tally(t)   # one of expert parallelism's counts of tokens
             if size is not None:
                 return size
         return self.exact(t)
@@ -532,19 +537,6 @@ def counted(mask: torch.Tensor, count):
 def routed(t: torch.Tensor):
     """:meth:`_Known.routed` in the current run."""
     return None if _active is None else _active.routed(t)
-
-
-def tally(t: torch.Tensor):
-    """The size a one-element ``t`` holds where it is one of expert parallelism's counts
-    (:class:`~memsim.tracer.known_data.Tallies`), what it assumed recorded; or None."""
-    if _active is None or not isinstance(t, torch.Tensor):
-        return None
-    v = _active.tally(t)
-    if v is not None:
-        why = _active.why(t)
-        if why is not None:
-            assume(why)
-    return v
 
 
 def tokens_per_expert(t: torch.Tensor):

@@ -331,7 +331,7 @@ class Tallies:
         if func in (aten.scatter_add_.default, aten.scatter_add.default):
             return self._tally_scatter(func, args, out)
         if func is _ALLTOALL:
-            return self._tally_exchange(args, kwargs)
+            return self._tally_exchange(args)
         if not self.tallies:
             return False
         ins = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
@@ -340,8 +340,7 @@ class Tallies:
         arrays = [self._tally_array(a) for a in ins]
         if any(a is None for a in arrays) or not isinstance(out, torch.Tensor):
             return False
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        with unset_fake_temporarily():
+        with _real():
             if func is aten.sum.dim_IntList:
                 dims = args[1] if len(args) > 1 else kwargs.get("dim")
                 if kwargs.get("keepdim") or (len(args) > 2 and args[2]) or not dims:
@@ -385,14 +384,13 @@ class Tallies:
             self._set_tallies(made, counts, torch.arange(n), self.why(index))
         return True
 
-    def _tally_exchange(self, args, kwargs) -> bool:
+    def _tally_exchange(self, args) -> bool:
         """``all_to_all_single(out, counts)`` in equal splits over ``g`` ranks: what each rank
         sends this one is its counts for this rank's experts, every rank routing as this one
         does (noted)."""
         out, inp, group = args[0], args[1], args[2]
         splits = (args[3] if len(args) > 3 else (), args[4] if len(args) > 4 else ())
-        counts = self._tally_array(inp) if self.tallies.get(inp.untyped_storage()) is not None \
-            else None
+        counts = self._tally_array(inp)
         if counts is None or any(len(s) for s in splits):
             return False
         if isinstance(group, torch.ScriptObject):
@@ -437,6 +435,8 @@ class Tallies:
             for pos, i in zip(where.reshape(-1).tolist(), at.reshape(-1).tolist()):
                 flat[pos] = values[i]
         st = t.untyped_storage()
+        for other in (self.values, self.contents, self.counts, self.exactly):
+            other.pop(st, None)   # what was known of the storage before (zeros) no longer holds
         self.tallies[st] = flat
         if why is not None:
             self.because[st] = why
